@@ -1,0 +1,48 @@
+"""Frozen, validated configuration of the ZeRO engine.
+
+Validation lives here, away from any process group, so a bad value fails at construction with
+a message that names the value, what is allowed, and what to do instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SUPPORTED_STAGES = (1, 2)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """What the engine shards and how it communicates."""
+
+    stage: int = 2
+    """1: shard optimizer state (and fp32 master weights); gradients stay whole on every rank and
+    are reduce-scattered once before the step. 2: also shard gradients; each bucket is
+    reduce-scattered as soon as backward has produced it and only the owned slice is kept."""
+
+    bucket_cap_mb: float = 25.0
+    """Size of one communication bucket (a "segment" of a flat buffer), in MiB of the parameter
+    dtype. 25 MiB is DDP's default: large enough to amortise a collective's latency, small
+    enough that reduction of early buckets overlaps the rest of backward."""
+
+    allow_untested_optimizer: bool = False
+    """Re-create optimizer classes this package has not verified to be elementwise. A wrong
+    guess silently changes the update (the optimizer sees a flat shard, not the parameter's
+    shape), so this is opt-in, as with DeepSpeed's ``zero_allow_untested_optimizer``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
+            raise ValueError(
+                f"ZeRO stage={self.stage!r} is not supported; allowed stages are {SUPPORTED_STAGES}. "
+                "Use stage=1 to shard optimizer state, stage=2 to also shard gradients."
+            )
+        cap = self.bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+            raise ValueError(
+                f"bucket_cap_mb={cap!r} must be a positive, finite number of MiB (DDP's default is 25)."
+            )
+
+    def bucket_numel(self, element_size: int) -> int:
+        """Bucket capacity in elements of a dtype of ``element_size`` bytes (at least 1)."""
+        return max(1, int(self.bucket_cap_mb * 2**20) // element_size)

@@ -1,0 +1,12 @@
+"""The ZeRO engine: plain torch + torch.distributed, no Lightning.
+
+Usable on its own in a torch.distributed loop::
+
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), ZeroConfig(stage=2))
+    loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from .collectives import Collectives
+from .optimizer import ELEMENTWISE_OPTIMIZERS, ZeroOptimizer, check_optimizer_supported
+
+__all__ = ["Collectives", "ELEMENTWISE_OPTIMIZERS", "ZeroOptimizer", "check_optimizer_supported"]

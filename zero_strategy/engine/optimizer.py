@@ -1,0 +1,225 @@
+"""The sharded optimizer: the user's optimizer class re-created over this rank's pieces.
+
+[Note: master weights]
+Each rank updates only the pieces it owns (see [Note: pieces]). When the working parameters are
+fp32 (or fp64), the owned pieces *are* the master weights: the inner optimizer updates the rank's
+slice of the flat parameter buffer in place and one all-gather per segment brings every rank's
+slices back to everyone, so no second fp32 copy exists. The user's optimizer object is kept: its
+``param_groups`` list is shared with this one, so LR schedulers built on it and Lightning's LR
+monitor see and change the hyperparameters that the inner optimizer uses at every step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import ZeroConfig
+from .collectives import Collectives, wait_all
+from .flat import FlatGroup
+from .gradients import GradientReducer
+from .state import consolidate_state, shard_state
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
+    torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+"""Verified to update each element from that element's own gradient and state only."""
+
+_NOT_SHARDABLE: dict[str, str] = {
+    "LBFGS": "keeps a curvature history over the whole parameter vector and re-evaluates a closure",
+    "SparseAdam": "expects sparse gradients",
+    "Adafactor": "factors its second moment over the rows and columns of each parameter's shape",
+    "Muon": "orthogonalises each parameter as a whole matrix",
+}
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def check_optimizer_supported(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
+    """Raise if ``optimizer``'s update cannot run on a flat shard of its parameters."""
+    cls = type(optimizer)
+    allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    for klass in cls.__mro__:
+        if klass.__name__ in _NOT_SHARDABLE:
+            raise ValueError(
+                f"{cls.__name__} cannot be sharded by ZeRO: it {_NOT_SHARDABLE[klass.__name__]}, so its update "
+                f"is not elementwise. Use one of {allowed}, or train it with DDP."
+            )
+    if not issubclass(cls, ELEMENTWISE_OPTIMIZERS) and not config.allow_untested_optimizer:
+        raise ValueError(
+            f"{cls.__name__} has not been verified to be elementwise, which ZeRO needs (each rank updates a flat "
+            f"shard). Verified: {allowed}. If its update reads nothing beyond each element's own gradient and "
+            "state, pass allow_untested_optimizer=True."
+        )
+
+
+def _constructor_kwargs(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults that ``cls.__init__`` accepts (AdamW stores a default it does not take)."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
+
+
+def _split_by_dtype_and_device(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    runs: dict[tuple, list] = {}
+    for p in params:
+        runs.setdefault((p.dtype, p.device), []).append(p)
+    return list(runs.values())
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1/2 wrapper around a torch optimizer, usable in a plain torch.distributed loop.
+
+    Parameters must hold the same values on every rank when this is constructed (same seed, or a
+    broadcast), as for DDP. After construction the trainable parameters are views of flat buffers;
+    call ``backward`` as usual, then ``step()`` and ``zero_grad()`` on this object.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
+                 comm: Optional[Collectives] = None,
+                 param_order: Optional[Mapping[torch.nn.Parameter, int]] = None) -> None:
+        config = config or ZeroConfig()
+        check_optimizer_supported(optimizer, config)
+        self.config = config
+        self.optim = optimizer
+        self.comm = comm or Collectives()
+        self.groups = self._flatten(optimizer)
+        if param_order is not None:
+            param_order = {p: param_order.get(p, len(param_order)) for g in self.groups for p in g.params}
+        self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order)
+        self._pieces = [[g.piece_of(g.buffer, piece) for piece in g.pieces] for g in self.groups]
+        inner_groups = []
+        for gi, user_group in enumerate(optimizer.param_groups):
+            pieces = [t for g, ts in zip(self.groups, self._pieces) if g.user_group == gi for t in ts]
+            inner_groups.append({**user_group, "params": pieces})
+        self.inner = type(optimizer)(inner_groups, **_constructor_kwargs(type(optimizer), optimizer.defaults))
+        super().__init__([{"params": g["params"]} for g in optimizer.param_groups], optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
+        self.state = self.inner.state  # type: ignore[assignment]
+        self._received: Optional[list[list[bool]]] = None
+
+    def _flatten(self, optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
+        seen: set[int] = set()
+        groups = []
+        for gi, user_group in enumerate(optimizer.param_groups):
+            trainable = []
+            for p in user_group["params"]:
+                if id(p) in seen:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} appears twice in the optimizer's param groups "
+                        f"(again in group {gi}); list each parameter once."
+                    )
+                seen.add(id(p))
+                if p.requires_grad:
+                    trainable.append(p)
+            for params in _split_by_dtype_and_device(trainable):
+                if params[0].dtype not in _FULL_PRECISION:
+                    raise ValueError(
+                        f"trainable parameters of dtype {params[0].dtype} in param group {gi}: ZeRO stage "
+                        f"{self.config.stage} keeps them as the master weights, which needs float32 or float64. "
+                        "Keep the module in float32 (precision='32-true')."
+                    )
+                numel = self.config.bucket_numel(params[0].element_size())
+                groups.append(FlatGroup(params, gi, self.comm.world_size, self.comm.rank, numel))
+        return groups
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        """Average gradients across ranks and learn which parameters got one anywhere.
+
+        Runs before gradient clipping and the step; idempotent until ``zero_grad``.
+        """
+        if self._received is None:
+            self.reducer.reduce()
+            self._received = self.reducer.received_anywhere()
+
+    def piece_grads(self) -> list[torch.Tensor]:
+        """Averaged gradients of this rank's pieces whose parameter received a gradient."""
+        self.reduce_gradients()
+        assert self._received is not None
+        return [
+            self.reducer.piece_grad(gi, piece)
+            for gi, g in enumerate(self.groups) for piece in g.pieces if self._received[gi][piece.param]
+        ]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        assert self._received is not None
+        for gi, (g, tensors) in enumerate(zip(self.groups, self._pieces)):
+            for piece, t in zip(g.pieces, tensors):
+                t.grad = self.reducer.piece_grad(gi, piece) if self._received[gi][piece.param] else None
+        for user_group, inner_group in zip(self.param_groups, self.inner.param_groups):
+            inner_group.update({k: v for k, v in user_group.items() if k != "params"})
+        self.inner.step()
+        self._all_gather_params()
+        self.optim._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check this flag
+        return loss
+
+    def _all_gather_params(self) -> None:
+        works = [
+            self.comm.all_gather(g.segment_of(g.buffer, seg), g.own_shard_of(g.buffer, seg))
+            for g in self.groups for seg in g.segments
+        ]
+        wait_all(works)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.zero_grad()
+        self._received = None
+        for tensors in self._pieces:
+            for t in tensors:
+                t.grad = None
+        for group in self.param_groups:  # frozen parameters, as torch would
+            for p in group["params"]:
+                if not p.requires_grad and p.grad is not None:
+                    p.grad = None if set_to_none else p.grad.zero_()
+
+    # ---- gradient clipping over all shards -------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so their global norm (over every rank's shard) is at most ``max_norm``.
+
+        Returns the total norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does.
+        """
+        grads = self.piece_grads()
+        device = self.groups[0].device if self.groups else torch.device("cpu")
+        norms = torch.stack(torch._foreach_norm(grads, norm_type)).double() if grads else torch.zeros(1, device=device)
+        if float(norm_type) == float("inf"):
+            total = norms.max()
+            self.comm.all_reduce(total, op=dist.ReduceOp.MAX)
+        else:
+            total = norms.pow(norm_type).sum()
+            self.comm.all_reduce(total)
+            total = total.pow(1.0 / norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return total.to(torch.float32)
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        grads = self.piece_grads()
+        for g in grads:
+            g.clamp_(-clip_value, clip_value)
+
+    # ---- state dict: the unsharded layout of the user's optimizer ---------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return consolidate_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        shard_state(self, state_dict)
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()

@@ -1,0 +1,139 @@
+"""Optimizer state in the unsharded layout of the user's optimizer, and back.
+
+``consolidate_state`` gathers every rank's pieces into full tensors keyed by parameter index, the
+layout ``torch.optim.Optimizer.state_dict()`` would produce without sharding. So a state dict
+saved at one world size loads at any other, and one from a plain (DDP) run loads here.
+``shard_state`` is its inverse. Both are collectives: every rank must call them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_ELEMENTWISE = "elementwise"  # a tensor shaped like the piece: sharded, gathered on save
+
+
+def _kind(value: Any) -> tuple[str, str]:
+    if isinstance(value, torch.Tensor):
+        return (_ELEMENTWISE if value.dim() > 0 else "tensor", str(value.dtype).removeprefix("torch."))
+    return (type(value).__name__, "")
+
+
+def _agree_on_kinds(zopt, local: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """Union of the state keys (and their kinds) over ranks; ranks without state learn them."""
+    if zopt.comm.world_size == 1:
+        return local
+    gathered: list = [None] * zopt.comm.world_size
+    dist.all_gather_object(gathered, local, group=zopt.comm.group)
+    merged: dict[str, tuple[str, str]] = {}
+    for kinds in gathered:
+        merged.update(kinds)
+    return dict(sorted(merged.items()))
+
+
+def _param_index(zopt) -> dict[torch.nn.Parameter, int]:
+    return {p: i for i, p in enumerate(p for g in zopt.param_groups for p in g["params"])}
+
+
+def _param_groups_out(zopt, index: dict) -> list[dict[str, Any]]:
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+            for g in zopt.param_groups]
+
+
+def consolidate_state(zopt) -> dict[str, Any]:
+    """Full optimizer state (CPU tensors) keyed by parameter index, on every rank."""
+    index = _param_index(zopt)
+    state: dict[int, dict[str, Any]] = {}
+    inner_state = zopt.inner.state
+    for g, tensors in zip(zopt.groups, zopt._pieces):
+        kinds = {k: _kind(v) for t in tensors for k, v in inner_state.get(t, {}).items()}
+        kinds = _agree_on_kinds(zopt, kinds)
+        if not kinds:
+            continue
+        device = g.buffer.device
+        has_state = torch.zeros(len(g.params), dtype=torch.uint8, device=device)
+        for piece, t in zip(g.pieces, tensors):
+            if t in inner_state:
+                has_state[piece.param] = 1
+        zopt.comm.all_reduce(has_state, op=dist.ReduceOp.MAX)
+        with_state = [i for i, flag in enumerate(has_state.tolist()) if flag]
+        for i in with_state:
+            state[index[g.params[i]]] = {}
+        for key, (kind, dtype) in kinds.items():
+            if kind == _ELEMENTWISE:
+                shard = torch.zeros(g.layout.shard_numel, dtype=getattr(torch, dtype), device=device)
+                for piece, t in zip(g.pieces, tensors):
+                    if key in inner_state.get(t, {}):
+                        shard[piece.shard_offset : piece.shard_offset + piece.numel] = inner_state[t][key]
+                gathered = zopt.comm.all_gather_shards(shard)  # (world_size, shard_numel)
+                for i in with_state:
+                    state[index[g.params[i]]][key] = _full_param(g, gathered, i).cpu()
+            else:  # one number per parameter, the same in every piece of it
+                values = torch.full((len(g.params),), float("-inf"), dtype=torch.float64, device=device)
+                for piece, t in zip(g.pieces, tensors):
+                    if key in inner_state.get(t, {}):
+                        values[piece.param] = float(inner_state[t][key])
+                zopt.comm.all_reduce(values, op=dist.ReduceOp.MAX)
+                for i in with_state:
+                    state[index[g.params[i]]][key] = _number(values[i].item(), kind, dtype)
+    return {"state": state, "param_groups": _param_groups_out(zopt, index)}
+
+
+def _full_param(group, gathered: torch.Tensor, i: int) -> torch.Tensor:
+    """Parameter ``i`` of ``group`` out of every rank's shard, shaped like the parameter."""
+    seg = group.segments[group.layout.param_segments[i]]
+    full_segment = gathered[:, seg.shard_start : seg.shard_start + seg.shard_numel].reshape(-1)
+    off = group.layout.param_offsets[i] - seg.start
+    p = group.params[i]
+    return full_segment[off : off + p.numel()].view(p.shape).clone()
+
+
+def _number(value: float, kind: str, dtype: str) -> Any:
+    if kind == "tensor":
+        return torch.tensor(value, dtype=getattr(torch, dtype))
+    return int(value) if kind == "int" else value
+
+
+def shard_state(zopt, state_dict: dict[str, Any]) -> None:
+    """Load an unsharded optimizer state dict into this rank's pieces."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'; "
+                         f"got {sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(zopt.param_groups):
+        raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer has "
+                         f"{len(zopt.param_groups)}: it was saved for a different configure_optimizers.")
+    for gi, (saved, group) in enumerate(zip(saved_groups, zopt.param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"param group {gi} has {len(saved['params'])} parameters in the state dict and "
+                             f"{len(group['params'])} here: the checkpoint is for a different model.")
+    # saved parameter ids may be any integers: map them through the group order, as torch does
+    saved_id = {p: sid for saved, g in zip(saved_groups, zopt.param_groups) for p, sid in zip(g["params"], saved["params"])}
+    saved_state = state_dict["state"]
+
+    inner_state: dict[int, dict[str, Any]] = {}
+    inner_index = {t: j for j, t in enumerate(t for g in zopt.inner.param_groups for t in g["params"])}
+    for g, tensors in zip(zopt.groups, zopt._pieces):
+        for piece, t in zip(g.pieces, tensors):
+            p = g.params[piece.param]
+            entry = saved_state.get(saved_id[p])
+            if entry is None:
+                continue
+            out = {}
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if value.numel() != p.numel():
+                        raise ValueError(f"optimizer state {key!r} of parameter {saved_id[p]} has shape "
+                                         f"{tuple(value.shape)}, the parameter has {tuple(p.shape)}: "
+                                         "the checkpoint is for a different model.")
+                    value = value.reshape(-1)[piece.param_start : piece.param_end].clone()
+                out[key] = value
+            inner_state[inner_index[t]] = out
+    inner_groups = [{**saved, "params": [inner_index[t] for t in g["params"]]}
+                    for saved, g in zip(saved_groups, zopt.inner.param_groups)]
+    zopt.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+    for saved, group in zip(saved_groups, zopt.param_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
