@@ -1,6 +1,17 @@
-"""ZeRO sharded training for PyTorch Lightning."""
+"""ZeRO sharded training for PyTorch Lightning.
+
+Importing the package registers ``"zero_stage_1"`` and ``"zero_stage_2"`` with Lightning's
+StrategyRegistry, so ``Trainer(strategy="zero_stage_2")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from .config import ZeroConfig
 from .engine import ZeroOptimizer
+from .memory import estimate_memory, memory_stats
+from .precision import ZeroPrecision
+from .strategy import ZeroStrategy
 
-__all__ = ["ZeroConfig", "ZeroOptimizer"]
+ZeroStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ZeroConfig", "ZeroOptimizer", "ZeroPrecision", "ZeroStrategy", "estimate_memory", "memory_stats"]

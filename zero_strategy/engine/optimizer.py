@@ -221,5 +221,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         shard_state(self, state_dict)
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this engine keeps alive, by kind (the inner optimizer's state aside)."""
+        r = self.reducer
+        grads = r.grad_buffers if self.config.stage == 1 else r.grad_shards
+        return {"grads": list(grads), "master_params": []}  # see [Note: master weights]
+
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()

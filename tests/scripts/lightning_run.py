@@ -1,0 +1,127 @@
+"""One Lightning training run on 2 CPU processes, launched as users launch it (popen: this script
+runs once per rank). Each rank writes what it saw to OUT/rank{r}.pt for the tests to compare.
+
+    python lightning_run.py --strategy zero_stage_2 --out DIR [--steps 12] [--stop-at K --ckpt F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import zero_strategy  # noqa: F401  registers "zero_stage_1" and "zero_stage_2"
+
+
+def dataset(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 11, generator=g)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()  # 3 classes
+    return TensorDataset(x, y)
+
+
+class Classifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(11, 11)
+        self.embed.requires_grad_(False)  # a frozen layer
+        self.body = nn.Sequential(nn.Linear(11, 37), nn.Tanh(), nn.Linear(37, 37), nn.Tanh())
+        self.head = nn.Linear(37, 3)
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+        self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+
+    def forward(self, x):
+        return self.head(self.body(self.embed(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", self.val_acc)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.test_acc(self(x), y)
+        self.log("test_acc", self.test_acc)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2 and p.requires_grad]
+        other = [p for p in self.parameters() if p.dim() < 2 and p.requires_grad]
+        opt = torch.optim.Adam([{"params": decay, "weight_decay": 0.01}, {"params": other, "lr": 0.02}], lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loaders():
+    train = DataLoader(dataset(8 * 2 * 12, 1), batch_size=8)
+    val = DataLoader(dataset(64, 2), batch_size=16)
+    return train, val
+
+
+def trainer(args, max_steps: int) -> L.Trainer:
+    return L.Trainer(
+        strategy=args.strategy, accelerator="cpu", devices=2, max_steps=max_steps, val_check_interval=4,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=args.clip or None,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--clip", type=float, default=0.0)
+    parser.add_argument("--stop-at", type=int, default=0, help="fit to this step, save, resume in a new Trainer")
+    args = parser.parse_args()
+
+    L.seed_everything(0)
+    model = Classifier()
+    train, val = loaders()
+    if args.stop_at:
+        first = trainer(args, args.stop_at)
+        first.fit(model, train, val)
+        ckpt = os.path.join(args.out, "mid.ckpt")
+        first.save_checkpoint(ckpt)
+        model = Classifier()  # fresh weights: everything must come from the checkpoint
+        model.losses = first.lightning_module.losses
+        model.lrs = first.lightning_module.lrs
+        fit_trainer = trainer(args, args.steps)
+        fit_trainer.fit(model, train, val, ckpt_path=ckpt)
+    else:
+        fit_trainer = trainer(args, args.steps)
+        fit_trainer.fit(model, train, val)
+    memory = fit_trainer.strategy.memory_stats() if hasattr(fit_trainer.strategy, "memory_stats") else {}
+    validated = fit_trainer.validate(model, val, verbose=False)
+    tested = fit_trainer.test(model, val, verbose=False)
+    predicted = fit_trainer.predict(model, val)
+    rank = fit_trainer.global_rank
+    torch.save({
+        "losses": model.losses, "lrs": model.lrs, "validate": validated, "test": tested,
+        "predict": torch.cat(predicted), "memory": memory, "world_size": fit_trainer.world_size,
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }, os.path.join(args.out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

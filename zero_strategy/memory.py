@@ -1,0 +1,114 @@
+"""Memory you can see: the ZeRO paper's per-rank formula, and exact accounting of live tensors.
+
+Both answer in the same keys, bytes per rank: ``params`` (working weights), ``grads``,
+``optimizer_states`` (e.g. Adam's two moments), ``master_params`` (fp32 copies of low-precision
+weights), and ``total``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from .engine import ZeroOptimizer
+
+KEYS = ("params", "grads", "optimizer_states", "master_params")
+
+# bytes per parameter: (working weight, gradient, fp32 master copy, default optimizer state)
+# The state default is Adam's two moments, fp32 unless the whole run is in half precision.
+_PRECISION_BYTES: dict[str, tuple[int, int, int, int]] = {
+    "32-true": (4, 4, 0, 8),  # the fp32 weight is its own master
+    "bf16-mixed": (2, 2, 4, 8),  # the paper's mixed precision: K = 4 + 8 = 12
+    "16-mixed": (2, 2, 4, 8),
+    "bf16-true": (2, 2, 0, 4),
+    "16-true": (2, 2, 0, 4),
+}
+# what Lightning also accepts for the same settings
+_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "half": "16-true"}
+
+
+def normalize_precision(precision: str | int) -> str:
+    name = _PRECISION_ALIASES.get(str(precision), str(precision))
+    if name not in _PRECISION_BYTES:
+        raise ValueError(f"precision={precision!r} is not known; use one of {sorted(_PRECISION_BYTES)} "
+                         "(named as Lightning's Trainer(precision=...) names them).")
+    return name
+
+
+def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precision: str | int = "32-true",
+                    offload_optimizer: bool = False, offload_params: bool = False,
+                    optimizer_state_bytes: Optional[float] = None) -> dict[str, int]:
+    """Per-rank model-state bytes that the ZeRO paper's formula predicts.
+
+    Stage 0 is plain data parallelism. With mixed-precision Adam (K = 12) this gives the paper's
+    P_os = 4Ψ + KΨ/N, P_os+g = 2Ψ + (2+K)Ψ/N and P_os+g+p = (4+K)Ψ/N. ``optimizer_state_bytes`` is
+    the optimizer's state per parameter (default Adam's: 8 bytes, 4 when training in true half);
+    SGD with momentum has 4. Offloaded bytes are counted in ``host`` instead of ``device``.
+    """
+    if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
+        raise ValueError(f"num_params={num_params!r} must be a non-negative integer")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r} must be 0 (data parallel), 1, 2 or 3")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    if offload_params and stage != 3:
+        raise ValueError(f"offload_params=True needs stage 3 (parameters are only sharded there), got stage={stage}")
+    param_b, grad_b, master_b, state_b = _PRECISION_BYTES[normalize_precision(precision)]
+    if optimizer_state_bytes is not None:
+        state_b = optimizer_state_bytes
+    n = world_size
+    out = {
+        "params": param_b * num_params / (n if stage >= 3 else 1),
+        "grads": grad_b * num_params / (n if stage >= 2 else 1),
+        "optimizer_states": state_b * num_params / (n if stage >= 1 else 1),
+        "master_params": master_b * num_params / (n if stage >= 1 else 1),
+    }
+    out = {k: int(round(v)) for k, v in out.items()}
+    on_host = {"optimizer_states", "master_params"} if offload_optimizer else set()
+    if offload_params:
+        on_host.add("params")
+    out["total"] = sum(out[k] for k in KEYS)
+    out["host"] = sum(out[k] for k in on_host)
+    out["device"] = out["total"] - out["host"]
+    return out
+
+
+class _StorageCounter:
+    """Bytes of distinct storages: views of one buffer are counted once."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def __call__(self, tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in self._seen or storage.nbytes() == 0:
+                continue
+            self._seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+
+def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+    """This rank's bytes held by ``module``'s parameters and gradients and by ``optimizers``.
+
+    Counted from the live tensors' storages, each storage once; a ZeroOptimizer's fp32 master
+    that aliases the parameters (see [Note: master weights]) is counted as parameters only.
+    """
+    count = _StorageCounter()
+    optimizers = list(optimizers)
+    stats = {"params": count(p for p in module.parameters())}
+    zero = [o for o in optimizers if isinstance(o, ZeroOptimizer)]
+    stats["grads"] = count([t for o in zero for t in o.memory_tensors()["grads"]]
+                           + [p.grad for p in module.parameters() if p.grad is not None])
+    stats["master_params"] = count(t for o in zero for t in o.memory_tensors()["master_params"])
+    stats["optimizer_states"] = count(
+        v for o in optimizers for s in (o.inner.state if isinstance(o, ZeroOptimizer) else o.state).values()
+        for v in s.values()
+    )
+    stats["total"] = sum(stats[k] for k in KEYS)
+    return stats

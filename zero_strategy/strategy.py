@@ -1,0 +1,211 @@
+"""ZeroStrategy: Lightning's hooks, handing the sharding to the engine."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from .config import ZeroConfig
+from .engine import Collectives, ZeroOptimizer
+from .memory import memory_stats
+from .precision import ZeroPrecision, to_zero_precision
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO data parallelism: optimizer state (stage 1) and gradients (stage 2) sharded over ranks.
+
+    Launches like DDP (one process per device, ``accelerator="cpu", devices=2`` works too), on
+    gloo for CPU and NCCL for CUDA. ``Trainer(strategy="zero_stage_2")`` after ``import
+    zero_strategy`` is the same as ``Trainer(strategy=ZeroStrategy(stage=2))``.
+    """
+
+    strategy_name = "zero"
+    is_distributed = True  # Lightning reads this to inject the DistributedSampler and sync logs
+
+    def __init__(
+        self,
+        stage: int = 2,
+        bucket_cap_mb: float = 25.0,
+        allow_untested_optimizer: bool = False,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.config = ZeroConfig(stage=stage, bucket_cap_mb=bucket_cap_mb,
+                                 allow_untested_optimizer=allow_untested_optimizer)
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}; 'popen' (the default) "
+                             "re-runs your script once per device, as DDP does.")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+
+    # ---- what Lightning asks about the layout of processes ---------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = to_zero_precision(precision_plugin)
+
+    # ---- processes and the process group ---------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if dist.get_world_size() != self.world_size:
+            raise RuntimeError(
+                f"the process group has {dist.get_world_size()} processes but the Trainer expects "
+                f"{self.world_size} (num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many "
+                "processes as Trainer(devices=..., num_nodes=...) asks for."
+            )
+
+    # ---- model and optimizers --------------------------------------------------------------
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        _sync_module_states(self.model)  # every rank starts from rank 0's weights and buffers
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._shard_optimizers()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_optimizers(self) -> None:
+        """Replace each configured optimizer by a ZeroOptimizer over the same parameters."""
+        assert self.model is not None
+        order = {p: i for i, p in enumerate(self.model.parameters())}
+        comm = Collectives()
+        self.optimizers = [
+            opt if isinstance(opt, ZeroOptimizer) else ZeroOptimizer(opt, self.config, comm, order)
+            for opt in self.optimizers
+        ]
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def memory_stats(self) -> dict[str, int]:
+        """This rank's bytes in params, grads, optimizer_states and master_params (and total)."""
+        assert self.lightning_module is not None
+        return memory_stats(self.lightning_module, self.optimizers)
+
+    def teardown(self) -> None:
+        for opt in self.optimizers:
+            if isinstance(opt, ZeroOptimizer):
+                opt.remove_hooks()
+        super().teardown()
+
+    # ---- collectives Lightning uses (logging with sync_dist, metrics, callbacks) -------------
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``zero_stage_1`` and ``zero_stage_2``; safe to call more than once."""
+        for stage in (1, 2):
+            name = f"zero_stage_{stage}"
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"ZeRO stage {stage} (ZeroStrategy)", stage=stage)
