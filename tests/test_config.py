@@ -38,7 +38,7 @@ def test_valid_configs_accepted(stage, cap):
     assert (cfg.stage, cfg.bucket_cap_mb, cfg.allow_untested_optimizer) == (stage, cap, True)
 
 
-@pytest.mark.parametrize("stage", (0, 3, 4, -1, "2", True, False, None))
+@pytest.mark.parametrize("stage", (0, 3, 4, -1, "2", 2.0, True, False, None))
 def test_bad_stage_rejected(stage):
     with pytest.raises(ValueError, match=rf"stage={re.escape(repr(stage))} is not supported") as info:
         ZeroConfig(stage=stage)

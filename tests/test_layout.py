@@ -32,19 +32,19 @@ def reference_runs(numels, bucket_numel, align):
     """Next-fit packing, written as a scan over prefix sums rather than a running counter.
 
     A run starts at ``first``; it extends to the longest prefix whose aligned size fits in the
-    bucket, and always takes at least one parameter plus any zero-size ones that still "fit".
+    bucket, and always takes at least one parameter; zero-size parameters always join the run.
     """
     sizes = [round_up(n, align) for n in numels]
     runs, first = [], 0
     while first < len(sizes):
         last = first + 1  # the first parameter is always taken
-        while last < len(sizes) and sum(sizes[first : last + 1]) <= bucket_numel:
+        while last < len(sizes) and (sizes[last] == 0 or sum(sizes[first : last + 1]) <= bucket_numel):
             last += 1
         # next-fit only closes a run on overflow once something is in it: a run whose
         # parameters are all empty so far keeps taking the next one whatever its size
         while last < len(sizes) and sum(sizes[first:last]) == 0:
             last += 1
-            while last < len(sizes) and sum(sizes[first : last + 1]) <= bucket_numel:
+            while last < len(sizes) and (sizes[last] == 0 or sum(sizes[first : last + 1]) <= bucket_numel):
                 last += 1
         runs.append(tuple(range(first, last)))
         first = last

@@ -32,7 +32,7 @@ class ZeroConfig:
     shape), so this is opt-in, as with DeepSpeed's ``zero_allow_untested_optimizer``."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
+        if type(self.stage) is not int or self.stage not in SUPPORTED_STAGES:
             raise ValueError(
                 f"ZeRO stage={self.stage!r} is not supported; allowed stages are {SUPPORTED_STAGES}. "
                 "Use stage=1 to shard optimizer state, stage=2 to also shard gradients."

@@ -128,6 +128,9 @@ class ZeroStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        if backend == "nccl" and self.root_device.type != "cuda":
+            raise ValueError(f"process_group_backend='nccl' needs CUDA devices, but this rank runs on "
+                             f"{self.root_device}; use 'gloo' (the default on CPU) or accelerator='cuda'.")
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)

@@ -128,7 +128,7 @@ def plan_group(numels: Sequence[int], world_size: int, bucket_numel: int, align:
     used = 0
     for i, n in enumerate(numels):
         size = round_up(n, align)
-        if not runs or (used > 0 and used + size > bucket_numel):
+        if not runs or (used > 0 and size > 0 and used + size > bucket_numel):  # empty ones always fit
             runs.append([])
             used = 0
         runs[-1].append(i)

@@ -104,8 +104,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._received: Optional[list[list[bool]]] = None
 
     def _flatten(self, optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
+        runs = []  # (user group, parameters): every check passes before any parameter moves
         seen: set[int] = set()
-        groups = []
         for gi, user_group in enumerate(optimizer.param_groups):
             trainable = []
             for p in user_group["params"]:
@@ -124,9 +124,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         f"{self.config.stage} keeps them as the master weights, which needs float32 or float64. "
                         "Keep the module in float32 (precision='32-true')."
                     )
-                numel = self.config.bucket_numel(params[0].element_size())
-                groups.append(FlatGroup(params, gi, self.comm.world_size, self.comm.rank, numel))
-        return groups
+                runs.append((gi, params))
+        return [
+            FlatGroup(params, gi, self.comm.world_size, self.comm.rank,
+                      self.config.bucket_numel(params[0].element_size()))
+            for gi, params in runs
+        ]
 
     # ---- the step --------------------------------------------------------------------------
 

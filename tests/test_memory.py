@@ -1,0 +1,87 @@
+"""memory_stats counts live storages; estimate_memory is the ZeRO paper's formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zero_strategy import ZeroConfig, ZeroOptimizer, estimate_memory, memory_stats
+
+from .distributed import run_distributed
+
+GB = 1e9
+
+
+def test_estimate_reproduces_the_papers_worked_example():
+    # ZeRO paper, figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (K = 12)
+    totals = [estimate_memory(7_500_000_000, stage=s, world_size=64, precision="bf16-mixed")["total"] / GB
+              for s in range(4)]
+    assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_estimate_splits_by_key_and_location():
+    est = estimate_memory(1000, stage=2, world_size=4, precision="16-mixed", offload_optimizer=True)
+    assert est["params"] == 2000 and est["grads"] == 500
+    assert est["master_params"] == 1000 and est["optimizer_states"] == 2000
+    assert est["host"] == 3000 and est["device"] == 2500 and est["total"] == 5500
+    fp32 = estimate_memory(1000, stage=1, world_size=2)
+    assert (fp32["params"], fp32["grads"], fp32["optimizer_states"], fp32["master_params"]) == (4000, 4000, 4000, 0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_params": -1}, "num_params=-1"),
+    ({"num_params": 10, "stage": 5}, "stage=5"),
+    ({"num_params": 10, "world_size": 0}, "world_size=0"),
+    ({"num_params": 10, "precision": "fp8"}, "precision='fp8'.*32-true"),
+    ({"num_params": 10, "stage": 2, "offload_params": True}, "offload_params=True needs stage 3"),
+])
+def test_estimate_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(**kwargs)
+
+
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(64, 257)
+        self.frozen.requires_grad_(False)
+        self.a = nn.Linear(257, 511)
+        self.b = nn.Linear(511, 129)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(self.frozen(x))))
+
+
+def _measure(rank, world_size, stage):
+    torch.manual_seed(0)
+    model = Wide()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    everything = sum(p.numel() for p in model.parameters())
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), ZeroConfig(stage=stage, bucket_cap_mb=0.25))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+    F.mse_loss(model(x), torch.zeros(4, 129)).backward()
+    opt.step()
+    stats = memory_stats(model, [opt])
+    pieces = sum(len(g.pieces) for g in opt.groups)
+    return stats, trainable, everything, pieces
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_ranks_hold_half_the_optimizer_state(stage):
+    results = run_distributed(_measure, 2, stage)
+    trainable, everything = results[0][1], results[0][2]
+    adam_state = 8 * trainable  # two fp32 moments per trainable element, unsharded
+    for stats, _, _, pieces in results:
+        step_bytes = 4 * pieces  # one fp32 step counter per piece
+        assert stats["optimizer_states"] - step_bytes == pytest.approx(adam_state / 2, rel=0.01)
+        assert stats["params"] == pytest.approx(4 * everything, rel=0.01)  # whole on every rank
+        full_grads = 4 * trainable
+        expected_grads = full_grads if stage == 1 else full_grads / 2
+        assert stats["grads"] == pytest.approx(expected_grads, rel=0.01)
+        assert stats["master_params"] == 0  # fp32 weights are their own master
+        assert stats["total"] == sum(stats[k] for k in ("params", "grads", "optimizer_states", "master_params"))
+    # together the ranks hold each moment element exactly once: no padding gets state
+    assert sum(s["optimizer_states"] - 4 * p for s, _, _, p in results) == adam_state

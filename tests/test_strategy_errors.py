@@ -1,0 +1,92 @@
+"""Bad input to ZeroStrategy fails early, naming the bad value and what is allowed."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import StrategyRegistry
+
+import zero_strategy
+from zero_strategy import ZeroStrategy
+
+from .distributed import run_distributed
+
+
+def _trainer(**kwargs) -> L.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def test_registration_is_idempotent_and_names_resolve():
+    ZeroStrategy.register_strategies(StrategyRegistry)  # a second import-time registration is harmless
+    for stage in (1, 2):
+        strategy = _trainer(strategy=f"zero_stage_{stage}").strategy
+        assert isinstance(strategy, ZeroStrategy) and strategy.config.stage == stage
+    assert zero_strategy.__all__ and all(hasattr(zero_strategy, name) for name in zero_strategy.__all__)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"stage": 3}, r"stage=3 .*allowed stages are \(1, 2\)"),
+    ({"stage": 0}, r"stage=0"),
+    ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a positive"),
+    ({"bucket_cap_mb": -5.0}, r"bucket_cap_mb=-5.0"),
+    ({"start_method": "thread"}, r"start_method='thread' is not one of"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-true"])  # 16-mixed is bf16 on CPU
+def test_unsupported_precision_is_named(precision):
+    with pytest.raises(ValueError, match=rf"precision='{precision}'.*supported: 32-true"):
+        _trainer(strategy=ZeroStrategy(), precision=precision)
+
+
+def test_cuda_where_there_is_none():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(Exception, match="CUDAAccelerator` can not run on your system.*available.*cpu"):
+        _trainer(strategy=ZeroStrategy(), accelerator="cuda")
+
+
+def test_nccl_on_cpu_is_refused():
+    with pytest.raises(ValueError, match="process_group_backend='nccl' needs CUDA devices"):
+        _trainer(strategy=ZeroStrategy(process_group_backend="nccl")).fit(BoringModel())
+
+
+class LBFGSModel(BoringModel):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+def test_optimizer_that_cannot_be_sharded():
+    with pytest.raises(ValueError, match="LBFGS cannot be sharded by ZeRO.*Use one of SGD, Adam"):
+        _trainer(strategy=ZeroStrategy(stage=1)).fit(LBFGSModel())
+
+
+def _fit_in_a_larger_world(rank, world_size):
+    # the process group already spans 2 processes, but the Trainer is told devices=1
+    try:
+        _trainer(strategy=ZeroStrategy()).fit(BoringModel())
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_mismatched_world_size():
+    for message in run_distributed(_fit_in_a_larger_world, 2):
+        assert "the process group has 2 processes but the Trainer expects 1" in message
+
+
+def test_single_device_fit_trains():
+    model = BoringModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(strategy="zero_stage_2")
+    trainer.fit(model)
+    assert trainer.global_step == 2
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
