@@ -74,7 +74,12 @@ def reference_pieces(layout: GroupLayout, rank: int) -> list[Piece]:
                 current = [hit[0], hit[1], hit[1] + 1, b, seg.shard_start + (b - lo)]
         if current is not None:
             pieces.append(Piece(current[0], seg.index, current[1], current[2], current[3], current[4]))
-    return pieces
+        # a parameter with no elements has an empty piece on every rank (it still gets a step count)
+        # (its shard offset is where its offset falls, clamped into the rank's shard)
+        lo = rank * seg.shard_numel
+        pieces += [Piece(p, seg.index, 0, 0, seg.start + off, seg.shard_start + min(max(off, lo), lo + seg.shard_numel) - lo)
+                   for p, off, n in zip(seg.params, seg.offsets, seg.numels) if n == 0]
+    return sorted(pieces, key=lambda piece: (piece.segment, piece.param))
 
 
 # ---- invariants ----------------------------------------------------------------------------
@@ -165,6 +170,13 @@ def check_layout(numels, world_size, bucket_numel, align):
         for pc in pieces:
             seg = layout.segments[pc.segment]
             lo, hi = seg.shard_range(rank)
+            assert pc.param not in seen_params, ctx  # at most one piece per parameter and rank
+            seen_params.add(pc.param)
+            if numels[pc.param] == 0:  # every rank has the empty piece of an empty parameter
+                assert pc.param_start == pc.param_end == 0, ctx
+                assert pc.buffer_offset == layout.param_offsets[pc.param], ctx
+                assert shard_end <= pc.shard_offset <= seg.shard_start + seg.shard_numel, ctx
+                continue
             assert pc.numel > 0, ctx
             assert pc.segment == layout.param_segments[pc.param], ctx
             assert 0 <= pc.param_start < pc.param_end <= numels[pc.param], ctx
@@ -174,8 +186,6 @@ def check_layout(numels, world_size, bucket_numel, align):
             assert seg.shard_start <= pc.shard_offset and pc.shard_offset + pc.numel <= seg.shard_start + seg.shard_numel, ctx
             assert pc.shard_offset >= shard_end, ctx  # pieces do not overlap inside the rank's shard
             shard_end = pc.shard_offset + pc.numel
-            assert pc.param not in seen_params, ctx  # at most one piece per parameter and rank
-            seen_params.add(pc.param)
             for k in range(pc.param_start, pc.param_end):
                 coverage[pc.param][k] += 1
         assert shard_end <= layout.shard_numel, ctx
@@ -234,10 +244,11 @@ def test_single_segment_when_everything_fits():
     assert seg.numel == 12  # 9 elements padded to a multiple of 4
     # with one segment a rank owns one contiguous slice of the group
     assert [seg.shard_range(r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
-    assert layout.pieces(0) == (Piece(0, 0, 0, 3, 0, 0),)
-    assert layout.pieces(1) == (Piece(0, 0, 3, 5, 3, 0), Piece(1, 0, 0, 1, 5, 2))
-    assert layout.pieces(2) == (Piece(1, 0, 1, 3, 6, 0), Piece(3, 0, 0, 1, 8, 2))
-    assert layout.pieces(3) == ()  # padding only
+    # the empty parameter 2 has an empty piece on every rank, placed where offset 8 falls
+    assert layout.pieces(0) == (Piece(0, 0, 0, 3, 0, 0), Piece(2, 0, 0, 0, 8, 3))
+    assert layout.pieces(1) == (Piece(0, 0, 3, 5, 3, 0), Piece(1, 0, 0, 1, 5, 2), Piece(2, 0, 0, 0, 8, 3))
+    assert layout.pieces(2) == (Piece(1, 0, 1, 3, 6, 0), Piece(2, 0, 0, 0, 8, 2), Piece(3, 0, 0, 1, 8, 2))
+    assert layout.pieces(3) == (Piece(2, 0, 0, 0, 8, 0),)  # otherwise padding only
 
 
 def test_aligned_offsets_and_multi_segment_shards():
@@ -274,7 +285,7 @@ def test_greedy_packing_fills_buckets():
 def test_empty_and_tiny_parameters():
     layout = check_layout((0,), world_size=4, bucket_numel=8, align=4)
     assert layout.segments[0].numel == 16  # an all-empty segment still gives every rank an aligned shard
-    assert all(layout.pieces(r) == () for r in range(4))
+    assert [layout.pieces(r) for r in range(4)] == [(Piece(0, 0, 0, 0, 0, 0),)] * 4
     layout = check_layout((1,), world_size=4, bucket_numel=8, align=1)
     assert layout.pieces(0) == (Piece(0, 0, 0, 1, 0, 0),)
     assert all(layout.pieces(r) == () for r in (1, 2, 3))

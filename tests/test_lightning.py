@@ -40,7 +40,7 @@ def tmp_root(tmp_path_factory) -> str:
 
 def assert_same_run(zero: list[dict], ddp: tuple) -> None:
     for r, (z, d) in enumerate(zip(zero, ddp)):
-        assert len(z["losses"]) == len(d["losses"]) == 12, f"rank {r} ran {len(z['losses'])} steps"
+        assert len(z["losses"]) == len(d["losses"]) >= 12, f"rank {r} ran {len(z['losses'])} batches"
         torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(d["losses"]), rtol=1e-5, atol=1e-7)
         assert z["lrs"] == pytest.approx(d["lrs"], rel=1e-12)
         assert len(set(z["lrs"])) > 1, "the scheduler never changed the learning rate"
@@ -72,6 +72,13 @@ def test_clipping_by_norm_matches_ddp(tmp_path, tmp_root, strategy):
     clipped = ddp_run(tmp_root, "--clip", "0.05")
     assert clipped[0]["losses"][2:] != pytest.approx(ddp_run(tmp_root)[0]["losses"][2:], rel=1e-3)
     assert_same_run(launch(tmp_path, strategy, "--clip", "0.05"), clipped)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["zero_stage_1", "zero_stage_2"])
+def test_gradient_accumulation_matches_ddp(tmp_path, tmp_root, strategy):
+    # 4 micro-batches per step: stage 2 reduces each into the gradient shard, stage 1 once
+    assert_same_run(launch(tmp_path, strategy, "--accumulate", "4"), ddp_run(tmp_root, "--accumulate", "4"))
 
 
 @pytest.mark.timeout(300)

@@ -73,7 +73,7 @@ class Classifier(L.LightningModule):
 
 
 def loaders():
-    train = DataLoader(dataset(8 * 2 * 12, 1), batch_size=8)
+    train = DataLoader(dataset(8 * 2 * 12 * 4, 1), batch_size=8)  # enough batches for 12 steps of 4
     val = DataLoader(dataset(64, 2), batch_size=16)
     return train, val
 
@@ -82,7 +82,7 @@ def trainer(args, max_steps: int) -> L.Trainer:
     return L.Trainer(
         strategy=args.strategy, accelerator="cpu", devices=2, max_steps=max_steps, val_check_interval=4,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=args.clip or None,
+        gradient_clip_val=args.clip or None, accumulate_grad_batches=args.accumulate,
     )
 
 
@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--clip", type=float, default=0.0)
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--stop-at", type=int, default=0, help="fit to this step, save, resume in a new Trainer")
     args = parser.parse_args()
 

@@ -15,7 +15,8 @@ With one segment (the group fits in a bucket) a rank owns one contiguous slice o
 A *piece* is the part of one parameter that lies in one rank's shard of a segment. The inner
 optimizer steps one tensor per piece, so a parameter that received no gradient on any rank is
 skipped exactly as torch skips a parameter whose ``.grad`` is None, and every piece keeps its own
-step count, as the parameter would without sharding.
+step count, as the parameter would without sharding. A parameter with no elements has an empty
+piece on every rank, so it gets optimizer state (a step count) as torch would give it.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ class GroupLayout:
             hi = lo + seg.shard_numel
             for p, off, n in zip(seg.params, seg.offsets, seg.numels):
                 start, end = max(lo, off), min(hi, off + n)
-                if start < end:
+                if n == 0:  # placed where its offset falls, clamped into this rank's shard
+                    out.append(Piece(p, seg.index, 0, 0, seg.start + off, seg.shard_start + min(max(off, lo), hi) - lo))
+                elif start < end:
                     out.append(Piece(p, seg.index, start - off, end - off, seg.start + start,
                                      seg.shard_start + start - lo))
         return tuple(out)
