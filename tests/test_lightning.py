@@ -61,7 +61,12 @@ def assert_same_run(zero: list[dict], ddp: tuple) -> None:
 @pytest.mark.parametrize("strategy", ["zero_stage_1", "zero_stage_2"])
 def test_trainer_matches_ddp(tmp_path, tmp_root, strategy):
     zero = launch(tmp_path, strategy)
-    assert zero[0]["world_size"] == 2
+    for z in zero:
+        assert z["world_size"] == 2
+        c = z["collectives"]  # the strategy's reduce / all_gather / broadcast Lightning and users call
+        assert c["reduce_sum"].item() == 3.0 and c["reduce_mean"].item() == 1.5
+        assert c["all_gather"].tolist() == [[0, 0], [1, 10]]
+        assert c["broadcast"] == "from rank 0"
     assert_same_run(zero, ddp_run(tmp_root))
 
 

@@ -117,9 +117,17 @@ def main() -> None:
     tested = fit_trainer.test(model, val, verbose=False)
     predicted = fit_trainer.predict(model, val)
     rank = fit_trainer.global_rank
+    strategy = fit_trainer.strategy
+    strategy.barrier("end")
+    collectives = {
+        "reduce_sum": strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum"),
+        "reduce_mean": strategy.reduce(torch.tensor(float(rank + 1))),
+        "all_gather": strategy.all_gather(torch.tensor([rank, 10 * rank])),
+        "broadcast": strategy.broadcast(f"from rank {rank}"),
+    }
     torch.save({
         "losses": model.losses, "lrs": model.lrs, "validate": validated, "test": tested,
-        "predict": torch.cat(predicted), "memory": memory, "world_size": fit_trainer.world_size,
+        "predict": torch.cat(predicted), "memory": memory, "collectives": collectives, "world_size": fit_trainer.world_size,
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
     }, os.path.join(args.out, f"rank{rank}.pt"))
 
