@@ -78,3 +78,56 @@ def test_world_size_one_matches_plain_training(stage):
     zero_losses = _train(model, opt, _schedule(opt.optim), 0, 0)
     params = {n: (p.detach(), q.detach()) for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters())}
     _assert_parity(zero_losses, ref_losses, params)
+
+
+class SharedInsideCheckpoint(torch.nn.Module):
+    """``shared`` runs inside a reentrant checkpoint and again outside it, so it gets two gradients
+    in one backward, the second after its segment may have been reduced already."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 9)
+        self.shared = torch.nn.Linear(9, 9)
+        self.out = torch.nn.Linear(9, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+        return self.out(torch.tanh(self.shared(h)))
+
+
+REENTRANT_BUCKET_MB = 40 * 4 / 2**20  # each weight in a segment of its own
+
+
+def _reentrant(rank, world_size, stage):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = SharedInsideCheckpoint()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), ZeroConfig(stage=stage, bucket_cap_mb=REENTRANT_BUCKET_MB))
+    losses = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(5, 6, generator=g, requires_grad=True), torch.randn(5, 3, generator=g)
+        for m, o in ((reference, ref_opt), (model, opt)):
+            o.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            if o is ref_opt:  # data parallel by hand: average every gradient, as DDP would
+                for p in reference.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size
+            o.step()
+            losses.append(loss.item())
+    params = {n: (p.detach().clone(), q.detach().clone())
+              for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters())}
+    return losses[1::2], losses[0::2], params
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reentrant_checkpoint_gradients_are_all_reduced(stage):
+    for rank_result in run_distributed(_reentrant, 2, stage):
+        _assert_parity(*rank_result)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroOptimizer, estimate_memory, memory_stats
+from zero_strategy.engine.gradients import MAX_INFLIGHT
 
 from .distributed import run_distributed
 
@@ -54,18 +55,22 @@ class Wide(nn.Module):
         return self.b(torch.relu(self.a(self.frozen(x))))
 
 
+BUCKET_MB = 0.125  # a bit over an eighth of the model per bucket
+
+
 def _measure(rank, world_size, stage):
     torch.manual_seed(0)
     model = Wide()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     everything = sum(p.numel() for p in model.parameters())
-    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), ZeroConfig(stage=stage, bucket_cap_mb=0.25))
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), ZeroConfig(stage=stage, bucket_cap_mb=BUCKET_MB))
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
     F.mse_loss(model(x), torch.zeros(4, 129)).backward()
     opt.step()
     stats = memory_stats(model, [opt])
     pieces = sum(len(g.pieces) for g in opt.groups)
-    return stats, trainable, everything, pieces
+    largest_segment = max(s.numel for g in opt.groups for s in g.segments) * 4
+    return stats, trainable, everything, pieces, largest_segment
 
 
 @pytest.mark.timeout(120)
@@ -74,14 +79,17 @@ def test_two_ranks_hold_half_the_optimizer_state(stage):
     results = run_distributed(_measure, 2, stage)
     trainable, everything = results[0][1], results[0][2]
     adam_state = 8 * trainable  # two fp32 moments per trainable element, unsharded
-    for stats, _, _, pieces in results:
+    for stats, _, _, pieces, largest_segment in results:
         step_bytes = 4 * pieces  # one fp32 step counter per piece
         assert stats["optimizer_states"] - step_bytes == pytest.approx(adam_state / 2, rel=0.01)
         assert stats["params"] == pytest.approx(4 * everything, rel=0.01)  # whole on every rank
         full_grads = 4 * trainable
-        expected_grads = full_grads if stage == 1 else full_grads / 2
-        assert stats["grads"] == pytest.approx(expected_grads, rel=0.01)
+        if stage == 1:  # the whole flat gradient buffer
+            assert stats["grads"] == pytest.approx(full_grads, rel=0.01)
+        else:  # half, plus the few staging buffers kept for the reductions in flight
+            staging_bound = (MAX_INFLIGHT + 1) * largest_segment
+            assert full_grads / 2 <= stats["grads"] <= full_grads / 2 * 1.01 + staging_bound
         assert stats["master_params"] == 0  # fp32 weights are their own master
         assert stats["total"] == sum(stats[k] for k in ("params", "grads", "optimizer_states", "master_params"))
     # together the ranks hold each moment element exactly once: no padding gets state
-    assert sum(s["optimizer_states"] - 4 * p for s, _, _, p in results) == adam_state
+    assert sum(s["optimizer_states"] - 4 * p for s, _, _, p, _ in results) == adam_state

@@ -9,11 +9,18 @@ parameter comes last in the model is reduced first, because backward produces it
 launched; when backward ends, every remaining segment is launched in order, with zeros for the
 parameters that got no gradient on this rank. Each backward pass thus reduces every segment exactly
 once, in the same order on every rank, whatever the control flow did.
+
+[Note: late gradients]
+A parameter can receive a second gradient in the same backward after its segment was launched
+(reentrant activation checkpointing runs a nested backward). Its segment is staged again and
+reduced once more when backward ends, added into the shard. The graph is the same on every rank,
+so every rank stages the same late segments and the sequence of collectives still agrees.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import deque
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -22,6 +29,34 @@ import torch.distributed as dist
 from .collectives import Collectives, wait_all
 from .flat import FlatGroup
 from .layout import Piece
+
+MAX_INFLIGHT = 2
+"""Stage 2 reductions in flight before backward waits for the oldest. Bounds the staging memory to
+a few buckets (as DeepSpeed's two reduce buckets do) while still overlapping backward."""
+
+
+class _StagingPool:
+    """Staging buffers kept for reuse across segments and steps: allocating (and on CPU faulting
+    in) fresh memory for every bucket of every backward costs more than the copies themselves."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.free: list[torch.Tensor] = []
+
+    def take(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """A 1-D buffer of at least ``numel`` elements, of ``like``'s dtype and device."""
+        fits = [n for n, b in enumerate(self.free)
+                if b.dtype == like.dtype and b.device == like.device and b.numel() >= numel]
+        if fits:
+            return self.free.pop(min(fits, key=lambda n: self.free[n].numel()))
+        return like.new_zeros(numel)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self.free.append(buffer)
+
+    def trim(self) -> None:
+        """Keep the ``keep`` largest buffers: enough for the reductions in flight."""
+        self.free = sorted(self.free, key=torch.Tensor.numel, reverse=True)[: self.keep]
 
 
 def launch_order(groups: Sequence[FlatGroup], position: Mapping[torch.nn.Parameter, int]) -> list[tuple[int, int]]:
@@ -38,10 +73,10 @@ class GradientReducer:
     """Takes gradients from autograd into flat storage and averages them across ranks.
 
     Stage 1: every parameter's ``.grad`` is a view of a full flat gradient buffer, so autograd
-    accumulates in place; ``reduce()``, called before the step, reduce-scatters each segment in
-    place. Stage 2: a hook copies each gradient into its segment's staging buffer and frees it;
-    complete segments are reduce-scattered asynchronously into a gradient shard while backward
-    goes on, and only that shard outlives the backward pass.
+    accumulates in place (over micro-batches too); ``reduce()``, called before the step, reduces
+    each segment in place. Stage 2: a hook copies each gradient into its segment's staging buffer
+    and frees it; complete segments are reduced asynchronously into a gradient shard while backward
+    goes on, and only that shard (and a few reused staging buffers) outlives the backward pass.
     """
 
     def __init__(self, groups: Sequence[FlatGroup], stage: int, comm: Collectives,
@@ -52,9 +87,10 @@ class GradientReducer:
         if position is None:
             position = {p: i for i, p in enumerate(p for g in self.groups for p in g.params)}
         self.order = launch_order(self.groups, position)
+        self._rank_in_order = {key: n for n, key in enumerate(self.order)}
         self.received = [[False] * len(g.params) for g in self.groups]
         self._reduced = False  # stage 1: reduce() already ran for the current gradients
-        self._inflight: list = []  # (work, staging, output, target)
+        self._inflight: deque = deque()  # (pending, staging, output, target)
         if stage == 1:
             self.grad_buffers = [torch.zeros_like(g.buffer) for g in self.groups]
             self._grad_views = [g.param_views(b) for g, b in zip(self.groups, self.grad_buffers)]
@@ -62,6 +98,7 @@ class GradientReducer:
         else:
             self.grad_shards = [g.buffer.new_zeros(g.layout.shard_numel) for g in self.groups]
             self._shard_filled = False  # False after zero_grad: the next reduction writes, not adds
+            self._pool = _StagingPool(keep=MAX_INFLIGHT + 1)
             self._reset_backward_state()
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, gi, i))
@@ -83,25 +120,32 @@ class GradientReducer:
             self._callback_queued = True
         grad, param.grad = param.grad, None
         group = self.groups[gi]
-        si = group.layout.param_segments[i]
-        offset = group.layout.param_offsets[i] - group.segments[si].start
-        staging = self._staging.get((gi, si))
+        key = (gi, group.layout.param_segments[i])
+        seg = group.segments[key[1]]
+        staging = self._staging.get(key)
         if staging is None:
-            staging = self._staging[(gi, si)] = group.buffer.new_zeros(group.segments[si].numel)
-        dst = staging[offset : offset + grad.numel()]
-        if (gi, i) in self._seen:  # a second gradient in the same backward (reentrant checkpointing)
+            staging = self._staging[key] = self._pool.take(group.buffer, seg.numel)
+            self._staged[key] = set()
+        offset = group.layout.param_offsets[i] - seg.start
+        dst = staging[offset : offset + grad.numel()]  # staging may be longer than the segment
+        if i in self._staged[key]:  # a second gradient for it in this backward
             dst.add_(grad.reshape(-1))
         else:
             dst.copy_(grad.reshape(-1))
-            self._seen.add((gi, i))
-            self._missing[(gi, si)] -= 1
-        self._launch_ready()
+            self._staged[key].add(i)
+        if self._rank_in_order[key] < self._next:  # see [Note: late gradients]
+            self._late.add(key)
+        elif len(self._staged[key]) == len(seg.params):
+            self._launch_ready()
 
     def _on_backward_end(self) -> None:
         while self._next < len(self.order):
-            self._launch(self.order[self._next])
+            self._launch(self.order[self._next], accumulate=False)
             self._next += 1
-        self._finish_inflight()
+        for key in sorted(self._late, key=self._rank_in_order.__getitem__):
+            self._launch(key, accumulate=True)
+        self._finish(len(self._inflight))
+        self._pool.trim()
         self._shard_filled = True
         self._reset_backward_state()
 
@@ -109,37 +153,51 @@ class GradientReducer:
 
     def _reset_backward_state(self) -> None:
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
-        self._seen: set[tuple[int, int]] = set()
-        self._missing = {(gi, s.index): len(s.params) for gi, g in enumerate(self.groups) for s in g.segments}
-        self._next = 0
+        self._staged: dict[tuple[int, int], set[int]] = {}  # parameters copied in, per segment
+        self._late: set[tuple[int, int]] = set()
+        self._next = 0  # position in self.order of the next segment to launch
         self._callback_queued = False
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.order) and self._missing[self.order[self._next]] == 0:
-            self._launch(self.order[self._next])
+        while self._next < len(self.order):
+            key = self.order[self._next]
+            seg = self.groups[key[0]].segments[key[1]]
+            if len(self._staged.get(key, ())) < len(seg.params):
+                return
+            self._launch(key, accumulate=False)
             self._next += 1
 
-    def _launch(self, key: tuple[int, int]) -> None:
+    def _launch(self, key: tuple[int, int], accumulate: bool) -> None:
         gi, si = key
         group = self.groups[gi]
         seg = group.segments[si]
-        staging = self._staging.pop(key, None)
-        if staging is None:  # no gradient reached this segment on this rank
-            staging = group.buffer.new_zeros(seg.numel)
+        buffer = self._staging.pop(key, None)
+        staged = self._staged.pop(key, set())
+        if buffer is None:  # no gradient reached this segment on this rank
+            buffer = self._pool.take(group.buffer, seg.numel)
+        staging = buffer[: seg.numel]
+        # A reused buffer holds earlier values: zero what no gradient overwrote (alignment gaps
+        # between parameters land in padding that no piece reads).
+        for i, off, n in zip(seg.params, seg.offsets, seg.numels):
+            if i not in staged and n:
+                staging[off : off + n].zero_()
+        end = seg.offsets[-1] + seg.numels[-1]
+        staging[end:].zero_()
         if self.comm.world_size > 1:
             staging.div_(self.comm.world_size)  # average as DDP does: divide, then sum
         target = self.grad_shards[gi][seg.shard_start : seg.shard_start + seg.shard_numel]
-        output = torch.empty_like(target) if self._shard_filled else target
-        work = self.comm.reduce_scatter(output, staging)
-        self._inflight.append((work, staging, output, target))
+        output = torch.empty_like(target) if (self._shard_filled or accumulate) else target
+        self._inflight.append((self.comm.reduce_scatter(output, staging), buffer, output, target))
+        self._finish(len(self._inflight) - MAX_INFLIGHT)
 
-    def _finish_inflight(self) -> None:
-        for work, _staging, output, target in self._inflight:
-            if work is not None:
-                work.wait()
-            if output is not target:  # accumulating over micro-batches
+    def _finish(self, count: int) -> None:
+        """Complete the ``count`` oldest reductions in flight and recycle their staging buffers."""
+        for _ in range(max(0, count)):
+            pending, buffer, output, target = self._inflight.popleft()
+            pending.wait()
+            if output is not target:  # accumulating over micro-batches, or a late gradient
                 target.add_(output)
-        self._inflight.clear()
+            self._pool.give(buffer)
 
     # ---- stage 1 ---------------------------------------------------------------------------
 
@@ -152,15 +210,15 @@ class GradientReducer:
         """Make every piece's gradient the average over ranks. Idempotent until zero_grad."""
         if self.stage != 1 or self._reduced:
             return
-        works = []
+        pending = []
         for gi, si in self.order:
             group = self.groups[gi]
             seg = group.segments[si]
             full = group.segment_of(self.grad_buffers[gi], seg)
             if self.comm.world_size > 1:
                 full.div_(self.comm.world_size)
-            works.append(self.comm.reduce_scatter(group.own_shard_of(self.grad_buffers[gi], seg), full))
-        wait_all(works)
+            pending.append(self.comm.reduce_scatter(group.own_shard_of(self.grad_buffers[gi], seg), full))
+        wait_all(pending)
         self._reduced = True
 
     # ---- what the optimizer reads ----------------------------------------------------------
@@ -183,6 +241,12 @@ class GradientReducer:
             out.append([bool(v) for v in values[: len(per_group)]])
             values = values[len(per_group):]
         return out
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Gradient storage that outlives a step: the flat buffers or shards, and reused staging."""
+        if self.stage == 1:
+            return list(self.grad_buffers)
+        return list(self.grad_shards) + list(self._pool.free)
 
     def zero_grad(self) -> None:
         self.received = [[False] * len(g.params) for g in self.groups]

@@ -170,11 +170,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _all_gather_params(self) -> None:
-        works = [
+        wait_all([
             self.comm.all_gather(g.segment_of(g.buffer, seg), g.own_shard_of(g.buffer, seg))
             for g in self.groups for seg in g.segments
-        ]
-        wait_all(works)
+        ])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
@@ -226,9 +225,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this engine keeps alive, by kind (the inner optimizer's state aside)."""
-        r = self.reducer
-        grads = r.grad_buffers if self.config.stage == 1 else r.grad_shards
-        return {"grads": list(grads), "master_params": []}  # see [Note: master weights]
+        return {"grads": self.reducer.held_tensors(), "master_params": []}  # see [Note: master weights]
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
