@@ -82,6 +82,7 @@ def main() -> None:
         print(f"[rank {trainer.global_rank}]   {key:<17}{measured[key]:>12,} {expected[key]:>12,}")
     if trainer.is_global_zero:
         print(f"validation accuracy: {final['val_acc']:.3f} (chance: 0.100)")
+    torch.distributed.destroy_process_group()  # gloo's threads can abort an exiting interpreter
 
 
 if __name__ == "__main__":

@@ -130,6 +130,9 @@ def main() -> None:
         "predict": torch.cat(predicted), "memory": memory, "collectives": collectives, "world_size": fit_trainer.world_size,
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
     }, os.path.join(args.out, f"rank{rank}.pt"))
+    # Leaving gloo's threads to interpreter shutdown sometimes aborts the process
+    # ("terminate called without an active exception"), with DDP as with ZeRO.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
