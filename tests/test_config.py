@@ -293,7 +293,6 @@ def test_float64_and_mixed_dtypes_get_separate_flat_groups():
     f64 = _params((5,), (2, 2), dtype=torch.float64)
     opt = _zero(torch.optim.SGD([{"params": [f32[0], f64[0], f32[1], f64[1]]}], lr=0.1))
     assert [g.dtype for g in opt.groups] == [torch.float32, torch.float64]
-    assert [g.user_group for g in opt.groups] == [0, 0]
     assert [id(p) for p in opt.groups[0].params] == [id(p) for p in f32]
     assert [id(p) for p in opt.groups[1].params] == [id(p) for p in f64]
     assert opt.groups[1].layout.align == 2  # 16 bytes of float64

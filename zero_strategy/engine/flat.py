@@ -1,43 +1,62 @@
-"""Contiguous flat buffers: a group's parameters become views into one padded buffer."""
+"""Contiguous flat buffers: a group's parameters become views into one padded buffer.
+
+[Note: resident and sharded groups]
+A *resident* group (stages 1 and 2, and small parameters at stage 3) keeps its full buffer on
+every rank; the rank's shard is a set of slices of it. A *sharded* group (stage 3) keeps only
+``shard``, the rank's slices copied out, and holds the full buffer only between ``gather()`` and
+``release()``; while released, each parameter's ``.data`` is an empty tensor (``torch.Size([0])``).
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from .collectives import Collectives, Pending
 from .layout import GroupLayout, Piece, Segment, align_elements, plan_group
+
+_NO_BUCKET = 2**62  # a sharded group is one segment: one all-gather per gather
 
 
 class FlatGroup:
-    """The trainable parameters of one param group that share a dtype and device.
+    """Parameters that share a dtype and device, as views of one padded flat buffer.
 
     After construction every parameter's ``.data`` is a view of ``self.buffer`` (see
     [Note: segments] in layout.py); the Parameter objects themselves are unchanged, so the
     module, the user's optimizer and LR schedulers keep referring to them.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], user_group: int, world_size: int, rank: int,
-                 bucket_numel: int) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int,
+                 bucket_numel: int = _NO_BUCKET, resident: bool = True) -> None:
         self.params = list(params)
-        self.user_group = user_group  # index of the param group these came from
         self.rank = rank
+        self.resident = resident
         first = self.params[0]
         self.dtype, self.device = first.dtype, first.device
         self.layout: GroupLayout = plan_group(
             [p.numel() for p in self.params], world_size, bucket_numel, align_elements(first.element_size())
         )
-        self.buffer = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for p, off in zip(self.params, self.layout.param_offsets):
-                view = self.buffer[off : off + p.numel()]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(p.shape)
         self.pieces: tuple[Piece, ...] = self.layout.pieces(rank)
+        self.buffer: Optional[torch.Tensor] = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p, view in zip(self.params, self.param_views(self.buffer)):
+                view.copy_(p.detach().reshape(view.shape))
+        self._point_params_at(self.buffer)
+        self.shard: Optional[torch.Tensor] = None
+        if not resident:
+            self.shard = torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments])
+            self.release()
 
     @property
     def segments(self) -> tuple[Segment, ...]:
         return self.layout.segments
+
+    @property
+    def gathered(self) -> bool:
+        return self.buffer is not None
+
+    # ---- views -----------------------------------------------------------------------------
 
     @staticmethod
     def segment_of(buffer: torch.Tensor, seg: Segment) -> torch.Tensor:
@@ -54,4 +73,44 @@ class FlatGroup:
 
     def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """One view per parameter, shaped like it, into a buffer laid out like ``self.buffer``."""
-        return [buffer[off : off + p.numel()].view(p.shape) for p, off in zip(self.params, self.layout.param_offsets)]
+        return [buffer[off : off + n].view(shape) for off, n, shape in
+                zip(self.layout.param_offsets, self.layout.numels, (p.shape for p in self.params))]
+
+    def master(self, piece: Piece) -> torch.Tensor:
+        """The tensor the optimizer updates for ``piece``: see [Note: master weights]."""
+        if self.resident:
+            assert self.buffer is not None
+            return self.piece_of(self.buffer, piece)
+        assert self.shard is not None
+        return self.shard[piece.shard_offset : piece.shard_offset + piece.numel]
+
+    def _point_params_at(self, buffer: torch.Tensor) -> None:
+        for p, view in zip(self.params, self.param_views(buffer)):
+            p.data = view
+
+    # ---- moving parameters in and out (sharded groups) -------------------------------------
+
+    def gather(self, comm: Collectives) -> list[Pending]:
+        """Start all-gathering the full buffer; parameters point at it (valid once waited)."""
+        assert not self.resident and self.shard is not None
+        if self.buffer is not None:
+            return []
+        self.buffer = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
+        self._point_params_at(self.buffer)
+        return [comm.all_gather(self.segment_of(self.buffer, seg),
+                                self.shard[seg.shard_start : seg.shard_start + seg.shard_numel])
+                for seg in self.segments]
+
+    def release(self) -> None:
+        """Drop the full buffer; parameters become empty until the next gather."""
+        assert not self.resident
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+        self.buffer = None
+
+    def save_own_slices(self) -> None:
+        """Copy this rank's slices of the (gathered, edited) full buffer back into the shard."""
+        assert self.buffer is not None and self.shard is not None
+        for seg in self.segments:
+            self.shard[seg.shard_start : seg.shard_start + seg.shard_numel].copy_(self.own_shard_of(self.buffer, seg))

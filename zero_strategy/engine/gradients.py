@@ -43,13 +43,13 @@ class _StagingPool:
         self.keep = keep
         self.free: list[torch.Tensor] = []
 
-    def take(self, like: torch.Tensor, numel: int) -> torch.Tensor:
-        """A 1-D buffer of at least ``numel`` elements, of ``like``'s dtype and device."""
+    def take(self, group: FlatGroup, numel: int) -> torch.Tensor:
+        """A 1-D buffer of at least ``numel`` elements, of ``group``'s dtype and device."""
         fits = [n for n, b in enumerate(self.free)
-                if b.dtype == like.dtype and b.device == like.device and b.numel() >= numel]
+                if b.dtype == group.dtype and b.device == group.device and b.numel() >= numel]
         if fits:
             return self.free.pop(min(fits, key=lambda n: self.free[n].numel()))
-        return like.new_zeros(numel)
+        return torch.zeros(numel, dtype=group.dtype, device=group.device)
 
     def give(self, buffer: torch.Tensor) -> None:
         self.free.append(buffer)
@@ -92,11 +92,11 @@ class GradientReducer:
         self._reduced = False  # stage 1: reduce() already ran for the current gradients
         self._inflight: deque = deque()  # (pending, staging, output, target)
         if stage == 1:
-            self.grad_buffers = [torch.zeros_like(g.buffer) for g in self.groups]
+            self.grad_buffers = [torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device) for g in self.groups]
             self._grad_views = [g.param_views(b) for g, b in zip(self.groups, self.grad_buffers)]
             self._attach_grad_views()
         else:
-            self.grad_shards = [g.buffer.new_zeros(g.layout.shard_numel) for g in self.groups]
+            self.grad_shards = [torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device) for g in self.groups]
             self._shard_filled = False  # False after zero_grad: the next reduction writes, not adds
             self._pool = _StagingPool(keep=MAX_INFLIGHT + 1)
             self._reset_backward_state()
@@ -124,7 +124,7 @@ class GradientReducer:
         seg = group.segments[key[1]]
         staging = self._staging.get(key)
         if staging is None:
-            staging = self._staging[key] = self._pool.take(group.buffer, seg.numel)
+            staging = self._staging[key] = self._pool.take(group, seg.numel)
             self._staged[key] = set()
         offset = group.layout.param_offsets[i] - seg.start
         dst = staging[offset : offset + grad.numel()]  # staging may be longer than the segment
@@ -174,7 +174,7 @@ class GradientReducer:
         buffer = self._staging.pop(key, None)
         staged = self._staged.pop(key, set())
         if buffer is None:  # no gradient reached this segment on this rank
-            buffer = self._pool.take(group.buffer, seg.numel)
+            buffer = self._pool.take(group, seg.numel)
         staging = buffer[: seg.numel]
         # A reused buffer holds earlier values: zero what no gradient overwrote (alignment gaps
         # between parameters land in padding that no piece reads).

@@ -92,11 +92,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if param_order is not None:
             param_order = {p: param_order.get(p, len(param_order)) for g in self.groups for p in g.params}
         self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order)
-        self._pieces = [[g.piece_of(g.buffer, piece) for piece in g.pieces] for g in self.groups]
-        inner_groups = []
-        for gi, user_group in enumerate(optimizer.param_groups):
-            pieces = [t for g, ts in zip(self.groups, self._pieces) if g.user_group == gi for t in ts]
-            inner_groups.append({**user_group, "params": pieces})
+        self._pieces = [[g.master(piece) for piece in g.pieces] for g in self.groups]
+        user_group_of = {p: gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        inner_groups = [{**user_group, "params": []} for user_group in optimizer.param_groups]
+        for g, tensors in zip(self.groups, self._pieces):
+            for piece, t in zip(g.pieces, tensors):
+                inner_groups[user_group_of[g.params[piece.param]]]["params"].append(t)
         self.inner = type(optimizer)(inner_groups, **_constructor_kwargs(type(optimizer), optimizer.defaults))
         super().__init__([{"params": g["params"]} for g in optimizer.param_groups], optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
@@ -104,7 +105,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._received: Optional[list[list[bool]]] = None
 
     def _flatten(self, optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
-        runs = []  # (user group, parameters): every check passes before any parameter moves
+        runs = []  # every check passes before any parameter moves
         seen: set[int] = set()
         for gi, user_group in enumerate(optimizer.param_groups):
             trainable = []
@@ -124,11 +125,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         f"{self.config.stage} keeps them as the master weights, which needs float32 or float64. "
                         "Keep the module in float32 (precision='32-true')."
                     )
-                runs.append((gi, params))
+                runs.append(params)
         return [
-            FlatGroup(params, gi, self.comm.world_size, self.comm.rank,
-                      self.config.bucket_numel(params[0].element_size()))
-            for gi, params in runs
+            FlatGroup(params, self.comm.world_size, self.comm.rank, self.config.bucket_numel(params[0].element_size()))
+            for params in runs
         ]
 
     # ---- the step --------------------------------------------------------------------------
@@ -172,7 +172,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _all_gather_params(self) -> None:
         wait_all([
             self.comm.all_gather(g.segment_of(g.buffer, seg), g.own_shard_of(g.buffer, seg))
-            for g in self.groups for seg in g.segments
+            for g in self.groups if g.resident for seg in g.segments
         ])
 
     def zero_grad(self, set_to_none: bool = True) -> None:

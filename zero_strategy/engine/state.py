@@ -53,7 +53,7 @@ def consolidate_state(zopt) -> dict[str, Any]:
         kinds = _agree_on_kinds(zopt, kinds)
         if not kinds:
             continue
-        device = g.buffer.device
+        device = g.device
         has_state = torch.zeros(len(g.params), dtype=torch.uint8, device=device)
         for piece, t in zip(g.pieces, tensors):
             if t in inner_state:
