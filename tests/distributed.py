@@ -22,6 +22,7 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
+        torch.set_num_threads(1)  # two ranks on two cores: more threads only contend
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = io.BytesIO()  # tensors pickled through a queue would point into a dead process
         torch.save(fn(rank, world_size, *args), result)

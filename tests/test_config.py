@@ -28,7 +28,7 @@ def test_defaults():
     assert cfg.stage == 2
     assert cfg.bucket_cap_mb == 25.0
     assert cfg.allow_untested_optimizer is False
-    assert SUPPORTED_STAGES == (1, 2)
+    assert SUPPORTED_STAGES == (1, 2, 3)
 
 
 @pytest.mark.parametrize("stage", (1, 2))
@@ -38,12 +38,12 @@ def test_valid_configs_accepted(stage, cap):
     assert (cfg.stage, cfg.bucket_cap_mb, cfg.allow_untested_optimizer) == (stage, cap, True)
 
 
-@pytest.mark.parametrize("stage", (0, 3, 4, -1, "2", 2.0, True, False, None))
+@pytest.mark.parametrize("stage", (0, 4, -1, "2", 2.0, True, False, None))
 def test_bad_stage_rejected(stage):
     with pytest.raises(ValueError, match=rf"stage={re.escape(repr(stage))} is not supported") as info:
         ZeroConfig(stage=stage)
     # the message lists the allowed stages
-    assert "(1, 2)" in str(info.value)
+    assert "(1, 2, 3)" in str(info.value)
 
 
 @pytest.mark.parametrize("cap", (0, 0.0, -1, -0.5, math.nan, math.inf, -math.inf, "25", True, False, None))
@@ -57,8 +57,8 @@ def test_config_is_frozen_and_replace_revalidates():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.stage = 3  # type: ignore[misc]
     assert dataclasses.replace(cfg, stage=2).stage == 2
-    with pytest.raises(ValueError, match="stage=3"):
-        dataclasses.replace(cfg, stage=3)
+    with pytest.raises(ValueError, match="stage=4"):
+        dataclasses.replace(cfg, stage=4)
     with pytest.raises(ValueError, match="bucket_cap_mb=-2"):
         dataclasses.replace(cfg, bucket_cap_mb=-2)
 
@@ -299,3 +299,16 @@ def test_float64_and_mixed_dtypes_get_separate_flat_groups():
     for g in opt.groups:
         for p in g.params:
             assert _in_buffer(p, g.buffer) and p.dtype == g.buffer.dtype
+
+
+def test_stage3_fields():
+    cfg = ZeroConfig(stage=3, shard_modules=["Block", torch.nn.Linear])
+    assert cfg.shard_modules == ("Block", torch.nn.Linear)  # a list from Hydra becomes a tuple
+    with pytest.raises(ValueError, match=r"shard_modules='Block' must be a tuple"):
+        ZeroConfig(stage=3, shard_modules="Block")
+    with pytest.raises(ValueError, match=r"shard_modules=\(3,\)"):
+        ZeroConfig(stage=3, shard_modules=(3,))
+    with pytest.raises(ValueError, match=r"param_persistence_threshold=-1 must be a non-negative integer"):
+        ZeroConfig(stage=3, param_persistence_threshold=-1)
+    with pytest.raises(ValueError, match=r"unit_min_params=1.5"):
+        ZeroConfig(stage=3, unit_min_params=1.5)

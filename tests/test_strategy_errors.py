@@ -29,7 +29,7 @@ def test_registration_is_idempotent_and_names_resolve():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"stage": 3}, r"stage=3 .*allowed stages are \(1, 2\)"),
+    ({"stage": 4}, r"stage=4 .*allowed stages are \(1, 2, 3\)"),
     ({"stage": 0}, r"stage=0"),
     ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a positive"),
     ({"bucket_cap_mb": -5.0}, r"bucket_cap_mb=-5.0"),

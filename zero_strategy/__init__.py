@@ -8,10 +8,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .config import ZeroConfig
 from .engine import ZeroOptimizer
+from .engine.parameters import gathered_parameters
 from .memory import estimate_memory, memory_stats
 from .precision import ZeroPrecision
 from .strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ZeroConfig", "ZeroOptimizer", "ZeroPrecision", "ZeroStrategy", "estimate_memory", "memory_stats"]
+__all__ = ["ZeroConfig", "ZeroOptimizer", "ZeroPrecision", "ZeroStrategy", "estimate_memory", "gathered_parameters",
+           "memory_stats"]

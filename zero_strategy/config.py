@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Union
 
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,22 @@ class ZeroConfig:
     dtype. 25 MiB is DDP's default: large enough to amortise a collective's latency, small
     enough that reduction of early buckets overlaps the rest of backward."""
 
+    shard_modules: tuple[Union[str, type], ...] = ()
+    """Stage 3: module classes (or class names) whose instances are each one unit, gathered with one
+    all-gather around their forward and backward, e.g. ("Block",) for a transformer's layers."""
+
+    unit_min_params: int = 10_000_000
+    """Stage 3 without shard_modules: a module becomes a unit once it holds this many parameters not
+    yet in a smaller unit (leaves first). 10M parameters is 40 MB in fp32: large enough to keep
+    the all-gathers efficient, small enough that a few units in flight are cheap."""
+
+    param_persistence_threshold: int = 100_000
+    """Stage 3: parameters with fewer elements stay whole on every rank (biases, norms): gathering
+    them would cost more in latency than keeping them saves. DeepSpeed's default."""
+
+    prefetch: bool = True
+    """Stage 3: start the next unit's all-gather when a unit starts (forward) or is reached (backward)."""
+
     allow_untested_optimizer: bool = False
     """Re-create optimizer classes this package has not verified to be elementwise. A wrong
     guess silently changes the update (the optimizer sees a flat shard, not the parameter's
@@ -35,13 +52,25 @@ class ZeroConfig:
         if type(self.stage) is not int or self.stage not in SUPPORTED_STAGES:
             raise ValueError(
                 f"ZeRO stage={self.stage!r} is not supported; allowed stages are {SUPPORTED_STAGES}. "
-                "Use stage=1 to shard optimizer state, stage=2 to also shard gradients."
+                "Use stage=1 to shard optimizer state, stage=2 to also shard gradients, stage=3 to also shard "
+                "parameters."
             )
         cap = self.bucket_cap_mb
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
             raise ValueError(
                 f"bucket_cap_mb={cap!r} must be a positive, finite number of MiB (DDP's default is 25)."
             )
+
+        if isinstance(self.shard_modules, list):
+            object.__setattr__(self, "shard_modules", tuple(self.shard_modules))
+        if isinstance(self.shard_modules, (str, type)) or not all(
+                isinstance(m, (str, type)) for m in self.shard_modules):
+            raise ValueError(f"shard_modules={self.shard_modules!r} must be a tuple of module classes or class "
+                             "names, e.g. ('Block',).")
+        for name in ("unit_min_params", "param_persistence_threshold"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative integer (a number of parameters).")
 
     def bucket_numel(self, element_size: int) -> int:
         """Bucket capacity in elements of a dtype of ``element_size`` bytes (at least 1)."""

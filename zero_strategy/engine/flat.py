@@ -30,6 +30,7 @@ class FlatGroup:
     def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int,
                  bucket_numel: int = _NO_BUCKET, resident: bool = True) -> None:
         self.params = list(params)
+        self.shapes = [p.shape for p in self.params]  # a released parameter's own shape is (0,)
         self.rank = rank
         self.resident = resident
         first = self.params[0]
@@ -74,7 +75,7 @@ class FlatGroup:
     def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """One view per parameter, shaped like it, into a buffer laid out like ``self.buffer``."""
         return [buffer[off : off + n].view(shape) for off, n, shape in
-                zip(self.layout.param_offsets, self.layout.numels, (p.shape for p in self.params))]
+                zip(self.layout.param_offsets, self.layout.numels, self.shapes)]
 
     def master(self, piece: Piece) -> torch.Tensor:
         """The tensor the optimizer updates for ``piece``: see [Note: master weights]."""

@@ -80,10 +80,11 @@ class GradientReducer:
     """
 
     def __init__(self, groups: Sequence[FlatGroup], stage: int, comm: Collectives,
-                 position: Optional[Mapping[torch.nn.Parameter, int]] = None) -> None:
+                 position: Optional[Mapping[torch.nn.Parameter, int]] = None, listener=None) -> None:
         self.groups = list(groups)
-        self.stage = stage
+        self.stage = 1 if stage == 1 else 2  # stage 3 reduces as stage 2 does, unit by unit
         self.comm = comm
+        self.listener = listener  # told when a group's gradients are all in and when backward ends
         if position is None:
             position = {p: i for i, p in enumerate(p for g in self.groups for p in g.params)}
         self.order = launch_order(self.groups, position)
@@ -136,6 +137,8 @@ class GradientReducer:
         if self._rank_in_order[key] < self._next:  # see [Note: late gradients]
             self._late.add(key)
         elif len(self._staged[key]) == len(seg.params):
+            if self.listener is not None and len(group.segments) == 1:
+                self.listener.gradients_handed_over(group)
             self._launch_ready()
 
     def _on_backward_end(self) -> None:
@@ -148,6 +151,8 @@ class GradientReducer:
         self._pool.trim()
         self._shard_filled = True
         self._reset_backward_state()
+        if self.listener is not None:
+            self.listener.backward_finished()
 
     # ---- stage 2 ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from ..config import ZeroConfig
 from .collectives import Collectives, wait_all
 from .flat import FlatGroup
 from .gradients import GradientReducer
+from .parameters import ParameterSharder
 from .state import consolidate_state, shard_state
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
@@ -82,30 +83,40 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
                  comm: Optional[Collectives] = None,
-                 param_order: Optional[Mapping[torch.nn.Parameter, int]] = None) -> None:
+                 param_order: Optional[Mapping[torch.nn.Parameter, int]] = None,
+                 sharder: Optional[ParameterSharder] = None) -> None:
         config = config or ZeroConfig()
         check_optimizer_supported(optimizer, config)
         self.config = config
         self.optim = optimizer
         self.comm = comm or Collectives()
-        self.groups = self._flatten(optimizer)
+        trainable = self._trainable(optimizer)
+        if config.stage == 3:
+            self.groups = self._groups_of(sharder, trainable)
+        else:
+            self.groups = [FlatGroup(ps, self.comm.world_size, self.comm.rank,
+                                     config.bucket_numel(ps[0].element_size())) for ps in trainable]
         if param_order is not None:
             param_order = {p: param_order.get(p, len(param_order)) for g in self.groups for p in g.params}
-        self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order)
-        self._pieces = [[g.master(piece) for piece in g.pieces] for g in self.groups]
+        self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order, listener=sharder)
         user_group_of = {p: gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         inner_groups = [{**user_group, "params": []} for user_group in optimizer.param_groups]
-        for g, tensors in zip(self.groups, self._pieces):
-            for piece, t in zip(g.pieces, tensors):
-                inner_groups[user_group_of[g.params[piece.param]]]["params"].append(t)
+        self._pieces = []  # the inner optimizer's tensor for each piece of each group
+        for g in self.groups:
+            self._pieces.append([g.master(piece) for piece in g.pieces])
+            for piece, t in zip(g.pieces, self._pieces[-1]):
+                gi = user_group_of.get(g.params[piece.param])
+                if gi is not None:  # at stage 3 a unit may hold parameters of another optimizer
+                    inner_groups[gi]["params"].append(t)
         self.inner = type(optimizer)(inner_groups, **_constructor_kwargs(type(optimizer), optimizer.defaults))
         super().__init__([{"params": g["params"]} for g in optimizer.param_groups], optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
         self.state = self.inner.state  # type: ignore[assignment]
         self._received: Optional[list[list[bool]]] = None
 
-    def _flatten(self, optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
-        runs = []  # every check passes before any parameter moves
+    def _trainable(self, optimizer: torch.optim.Optimizer) -> list[list[torch.nn.Parameter]]:
+        """Trainable parameters by param group, dtype and device; every check passes before any moves."""
+        runs = []
         seen: set[int] = set()
         for gi, user_group in enumerate(optimizer.param_groups):
             trainable = []
@@ -126,10 +137,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         "Keep the module in float32 (precision='32-true')."
                     )
                 runs.append(params)
-        return [
-            FlatGroup(params, self.comm.world_size, self.comm.rank, self.config.bucket_numel(params[0].element_size()))
-            for params in runs
-        ]
+        return runs
+
+    def _groups_of(self, sharder: Optional[ParameterSharder], trainable: list[list[torch.nn.Parameter]]) -> list[FlatGroup]:
+        """Stage 3: the sharder's trainable flat groups that hold this optimizer's parameters."""
+        if sharder is None:
+            raise ValueError("ZeRO stage 3 shards the module's parameters before the optimizer sees them: build "
+                             "sharder = ParameterSharder(model, ...) first and pass ZeroOptimizer(..., sharder=sharder).")
+        mine = {p for params in trainable for p in params}
+        groups = [g for g in sharder.groups if any(p in mine for p in g.params)]
+        held = {p for g in groups for p in g.params}
+        missing = [tuple(p.shape) for p in mine if p not in held]
+        if missing:
+            raise ValueError(f"{len(missing)} optimizer parameters (shapes {missing[:3]}...) are not parameters of the "
+                             "sharded module; optimize only the module's own parameters.")
+        return groups
 
     # ---- the step --------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ def consolidate_state(zopt) -> dict[str, Any]:
                 has_state[piece.param] = 1
         zopt.comm.all_reduce(has_state, op=dist.ReduceOp.MAX)
         with_state = [i for i, flag in enumerate(has_state.tolist()) if flag]
+        with_state = [i for i in with_state if g.params[i] in index]  # in this optimizer
         for i in with_state:
             state[index[g.params[i]]] = {}
         for key, (kind, dtype) in kinds.items():
@@ -87,8 +88,7 @@ def _full_param(group, gathered: torch.Tensor, i: int) -> torch.Tensor:
     seg = group.segments[group.layout.param_segments[i]]
     full_segment = gathered[:, seg.shard_start : seg.shard_start + seg.shard_numel].reshape(-1)
     off = group.layout.param_offsets[i] - seg.start
-    p = group.params[i]
-    return full_segment[off : off + p.numel()].view(p.shape).clone()
+    return full_segment[off : off + group.layout.numels[i]].view(group.shapes[i]).clone()
 
 
 def _number(value: float, kind: str, dtype: str) -> Any:
@@ -118,16 +118,18 @@ def shard_state(zopt, state_dict: dict[str, Any]) -> None:
     inner_index = {t: j for j, t in enumerate(t for g in zopt.inner.param_groups for t in g["params"])}
     for g, tensors in zip(zopt.groups, zopt._pieces):
         for piece, t in zip(g.pieces, tensors):
-            p = g.params[piece.param]
+            p, shape = g.params[piece.param], g.shapes[piece.param]
+            if p not in saved_id:  # in a flat group but not in this optimizer
+                continue
             entry = saved_state.get(saved_id[p])
             if entry is None:
                 continue
             out = {}
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    if value.numel() != p.numel():
+                    if value.numel() != shape.numel():
                         raise ValueError(f"optimizer state {key!r} of parameter {saved_id[p]} has shape "
-                                         f"{tuple(value.shape)}, the parameter has {tuple(p.shape)}: "
+                                         f"{tuple(value.shape)}, the parameter has {tuple(shape)}: "
                                          "the checkpoint is for a different model.")
                     value = value.reshape(-1)[piece.param_start : piece.param_end].clone()
                 out[key] = value
