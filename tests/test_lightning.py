@@ -57,8 +57,11 @@ def assert_same_run(zero: list[dict], ddp: tuple) -> None:
         assert torch.equal(value, zero[1]["params"][name]), name
 
 
+STAGES = ["zero_stage_1", "zero_stage_2", "zero3-linear"]  # zero3-linear: every Linear a stage-3 unit
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["zero_stage_1", "zero_stage_2"])
+@pytest.mark.parametrize("strategy", STAGES)
 def test_trainer_matches_ddp(tmp_path, tmp_root, strategy):
     zero = launch(tmp_path, strategy)
     for z in zero:
@@ -71,7 +74,7 @@ def test_trainer_matches_ddp(tmp_path, tmp_root, strategy):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["zero_stage_1", "zero_stage_2"])
+@pytest.mark.parametrize("strategy", STAGES)
 def test_clipping_by_norm_matches_ddp(tmp_path, tmp_root, strategy):
     # 0.05 is below the gradient norm of the steps here, so the clip changes the run
     clipped = ddp_run(tmp_root, "--clip", "0.05")
@@ -80,15 +83,16 @@ def test_clipping_by_norm_matches_ddp(tmp_path, tmp_root, strategy):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["zero_stage_1", "zero_stage_2"])
+@pytest.mark.parametrize("strategy", STAGES)
 def test_gradient_accumulation_matches_ddp(tmp_path, tmp_root, strategy):
     # 4 micro-batches per step: stage 2 reduces each into the gradient shard, stage 1 once
     assert_same_run(launch(tmp_path, strategy, "--accumulate", "4"), ddp_run(tmp_root, "--accumulate", "4"))
 
 
 @pytest.mark.timeout(300)
-def test_resume_from_checkpoint_matches_ddp_resume(tmp_path, tmp_root):
+@pytest.mark.parametrize("strategy", ["zero_stage_2", "zero3-linear"])
+def test_resume_from_checkpoint_matches_ddp_resume(tmp_path, tmp_root, strategy):
     # Fit 5 steps, save, resume in a fresh Trainer and model, against DDP doing the same (Lightning
     # restarts a plain dataloader's epoch on resume, so an uninterrupted run sees other batches).
     # The optimizer state, gathered from both shards into the checkpoint, must carry over exactly.
-    assert_same_run(launch(tmp_path, "zero_stage_2", "--stop-at", "5"), ddp_run(tmp_root, "--stop-at", "5"))
+    assert_same_run(launch(tmp_path, strategy, "--stop-at", "5"), ddp_run(tmp_root, "--stop-at", "5"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -29,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from .config import ZeroConfig
-from .engine import Collectives, ZeroOptimizer
+from .engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
 
@@ -37,7 +39,8 @@ _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class ZeroStrategy(ParallelStrategy):
-    """ZeRO data parallelism: optimizer state (stage 1) and gradients (stage 2) sharded over ranks.
+    """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
+    sharded over ranks.
 
     Launches like DDP (one process per device, ``accelerator="cpu", devices=2`` works too), on
     gloo for CPU and NCCL for CUDA. ``Trainer(strategy="zero_stage_2")`` after ``import
@@ -51,6 +54,10 @@ class ZeroStrategy(ParallelStrategy):
         self,
         stage: int = 2,
         bucket_cap_mb: float = 25.0,
+        shard_modules: Sequence[Union[str, type]] = (),
+        unit_min_params: int = 10_000_000,
+        param_persistence_threshold: int = 100_000,
+        prefetch: bool = True,
         allow_untested_optimizer: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -61,8 +68,11 @@ class ZeroStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.config = ZeroConfig(stage=stage, bucket_cap_mb=bucket_cap_mb,
-                                 allow_untested_optimizer=allow_untested_optimizer)
+        self.config = ZeroConfig(
+            stage=stage, bucket_cap_mb=bucket_cap_mb, shard_modules=tuple(shard_modules),
+            unit_min_params=unit_min_params, param_persistence_threshold=param_persistence_threshold,
+            prefetch=prefetch, allow_untested_optimizer=allow_untested_optimizer,
+        )
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}; 'popen' (the default) "
                              "re-runs your script once per device, as DDP does.")
@@ -73,6 +83,7 @@ class ZeroStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
+        self._sharder: Optional[ParameterSharder] = None  # stage 3: holds the model's shards
 
     # ---- what Lightning asks about the layout of processes ---------------------------------
 
@@ -144,32 +155,104 @@ class ZeroStrategy(ParallelStrategy):
     # ---- model and optimizers --------------------------------------------------------------
 
     def setup(self, trainer: "pl.Trainer") -> None:
+        # Order matters: configure_optimizers runs while parameters still have their shapes (code
+        # that groups by p.dim() sees real ones); at stage 3 the sharding comes next, then the
+        # optimizers are replaced by ZeroOptimizers over the shards.
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        _sync_module_states(self.model)  # every rank starts from rank 0's weights and buffers
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             self.setup_optimizers(trainer)
-            self._shard_optimizers()
+        if self.config.stage == 3:
+            self._shard_model()
+        else:
+            _sync_module_states(self.model)  # every rank starts from rank 0's weights and buffers
+        if fitting:
+            order = {p: i for i, p in enumerate(self.model.parameters())}
+            comm = Collectives()
+            self.optimizers = [
+                opt if isinstance(opt, ZeroOptimizer) else ZeroOptimizer(opt, self.config, comm, order, self._sharder)
+                for opt in self.optimizers
+            ]
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _shard_optimizers(self) -> None:
-        """Replace each configured optimizer by a ZeroOptimizer over the same parameters."""
+    def _shard_model(self) -> None:
+        """Stage 3: shard the parameters (once: a model stays sharded between fit and test)."""
         assert self.model is not None
-        order = {p: i for i, p in enumerate(self.model.parameters())}
-        comm = Collectives()
-        self.optimizers = [
-            opt if isinstance(opt, ZeroOptimizer) else ZeroOptimizer(opt, self.config, comm, order)
-            for opt in self.optimizers
-        ]
+        if self._sharder is None or self._sharder.module is not self.model:
+            for buffer in self.model.buffers():  # parameters are broadcast unit by unit while sharding
+                if not buffer.is_meta:
+                    dist.broadcast(buffer, src=0)
+            self._sharder = shard_module(self.model, self.config, Collectives(), self.root_device)
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        device = self.root_device
+        # modules built under model_sharded_context stay on meta: they are materialised on the
+        # device unit by unit while sharding
+        self.model._apply(lambda t: t if t.is_meta else t.to(device))
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: modules built in ``configure_model`` go on the meta device, so the model never
+        exists whole on one rank (see [Note: init-time sharding])."""
+        if self.config.stage != 3:
+            yield
+            return
+        with torch.device("meta"):
+            yield
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self.config.stage == 3  # weights are loaded into the shards, which setup creates
+
+    # ---- stage 3: the root unit is held around each step, and state dicts are gathered ------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sharder is not None:
+            self._sharder.hold_root()  # released when backward ends
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_held():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_held():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._root_held():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _root_held(self) -> Generator[None, None, None]:
+        if self._sharder is None:
+            yield
+            return
+        self._sharder.hold_root()
+        try:
+            yield
+        finally:
+            self._sharder.release_root()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full state dict (on every rank; a collective at stage 3, gathered unit by unit)."""
+        assert self.lightning_module is not None
+        if self._sharder is None:
+            return super().lightning_module_state_dict()
+        return self._sharder.full_state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        if self._sharder is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._sharder.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     def memory_stats(self) -> dict[str, int]:
         """This rank's bytes in params, grads, optimizer_states and master_params (and total)."""
@@ -180,7 +263,7 @@ class ZeroStrategy(ParallelStrategy):
         for opt in self.optimizers:
             if isinstance(opt, ZeroOptimizer):
                 opt.remove_hooks()
-        super().teardown()
+        super().teardown()  # at stage 3 the model stays sharded, ready for test or predict
 
     # ---- collectives Lightning uses (logging with sync_dist, metrics, callbacks) -------------
 
@@ -207,8 +290,8 @@ class ZeroStrategy(ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``zero_stage_1`` and ``zero_stage_2``; safe to call more than once."""
-        for stage in (1, 2):
+        """Register ``zero_stage_1``, ``zero_stage_2`` and ``zero_stage_3``; safe to call more than once."""
+        for stage in (1, 2, 3):
             name = f"zero_stage_{stage}"
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"ZeRO stage {stage} (ZeroStrategy)", stage=stage)

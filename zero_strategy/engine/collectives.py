@@ -72,6 +72,11 @@ class Collectives:
             return Pending(then=lambda: _copy_unless_same(output, input))
         return Pending(_all_gather_single(output, input, group=self.group, async_op=True))
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """In-place, synchronous broadcast from ``src``."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src, group=self.group)
+
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """In-place, synchronous all-reduce of a small tensor."""
         if self.world_size > 1:

@@ -28,7 +28,8 @@ class FlatGroup:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int,
-                 bucket_numel: int = _NO_BUCKET, resident: bool = True) -> None:
+                 bucket_numel: int = _NO_BUCKET, resident: bool = True,
+                 broadcast_from: Optional[Collectives] = None) -> None:
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]  # a released parameter's own shape is (0,)
         self.rank = rank
@@ -43,6 +44,8 @@ class FlatGroup:
         with torch.no_grad():
             for p, view in zip(self.params, self.param_views(self.buffer)):
                 view.copy_(p.detach().reshape(view.shape))
+        if broadcast_from is not None:  # every rank starts from rank 0's values, as DDP does
+            broadcast_from.broadcast(self.buffer, src=0)
         self._point_params_at(self.buffer)
         self.shard: Optional[torch.Tensor] = None
         if not resident:

@@ -20,6 +20,13 @@ frozen weights are gathered but never reduced.
   starts the next one's all-gather. A wrong guess only costs memory until that unit runs or the
   pass ends. Every rank must run the same units in the same order (as with any ZeRO-3), so the
   guesses, and the collectives they issue, agree across ranks.
+
+[Note: init-time sharding]
+A model built on the meta device (ZeroStrategy's ``model_sharded_context``, around Lightning's
+``configure_model``) never exists whole: units are materialised one at a time, in unit order, by
+the modules' own ``reset_parameters()``, broadcast from rank 0, sharded, and released before the
+next unit is built. Every rank draws the same random numbers in the same order whatever the world
+size, so the same seed gives the same model on 1 or 2 ranks.
 """
 
 from __future__ import annotations
@@ -104,26 +111,50 @@ def plan_units(module: nn.Module, shard_modules: Sequence[Union[str, type]], min
     return units, root_params, resident
 
 
-def shard_module(module: nn.Module, config, comm: Optional[Collectives] = None) -> "ParameterSharder":
-    """Shard ``module``'s parameters as ``config`` (a ZeroConfig with stage=3) says."""
+def shard_module(module: nn.Module, config, comm: Optional[Collectives] = None,
+                 device: Optional[torch.device] = None) -> "ParameterSharder":
+    """Shard ``module``'s parameters as ``config`` (a ZeroConfig with stage=3) says.
+
+    Rank 0's values are broadcast unit by unit before sharding. Parameters on the meta device are
+    materialised on ``device`` one unit at a time (see [Note: init-time sharding]).
+    """
     return ParameterSharder(module, comm or Collectives(), config.shard_modules, config.unit_min_params,
-                            config.param_persistence_threshold, config.prefetch)
+                            config.param_persistence_threshold, config.prefetch, device)
+
+
+def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], device: torch.device) -> None:
+    """Give meta parameters storage on ``device`` and their modules' own initialisation."""
+    for m in owners:
+        if not hasattr(m, "reset_parameters"):
+            raise ValueError(
+                f"{type(m).__name__} was built on the meta device (inside configure_model at stage 3) but has no "
+                "reset_parameters() to initialise it; add one, or build this module in __init__ instead.")
+        m.to_empty(device=device, recurse=False)
+        m.reset_parameters()
 
 
 class ParameterSharder:
     """Shards ``module``'s parameters over the ranks of ``comm`` and gathers them around their use."""
 
     def __init__(self, module: nn.Module, comm: Collectives, shard_modules: Sequence[Union[str, type]] = (),
-                 min_unit_numel: int = 10_000_000, persist_numel: int = 100_000, prefetch: bool = True) -> None:
+                 min_unit_numel: int = 10_000_000, persist_numel: int = 100_000, prefetch: bool = True,
+                 device: Optional[torch.device] = None) -> None:
         self.module = module
         self.comm = comm
         self.prefetch = prefetch
+        self._device = device
+        self._owners: dict[nn.Parameter, list[nn.Module]] = {}
+        for mod in module.modules():
+            for p in mod.parameters(recurse=False):
+                self._owners.setdefault(p, []).append(mod)
         planned, root_params, resident = plan_units(module, shard_modules, min_unit_numel, persist_numel)
-        n, r = comm.world_size, comm.rank
-        self.units = [Unit(name, [FlatGroup(ps, n, r, resident=False) for ps in _split(params)], mod)
-                      for name, mod, params in planned]
-        self.root = Unit("<root>", [FlatGroup(ps, n, r, resident=False) for ps in _split(root_params)], None)
-        self.resident = [FlatGroup(ps, n, r) for ps in _split(resident)]
+        self.units = [Unit(name, self._flatten(params, resident=False), mod) for name, mod, params in planned]
+        self.root = Unit("<root>", self._flatten(root_params, resident=False), None)
+        self.resident = self._flatten(resident, resident=True)
+        meta = [n for n, b in module.named_buffers() if b.is_meta]
+        if meta:
+            raise ValueError(f"buffers {meta[:5]} are still on the meta device after sharding: build modules that "
+                             "hold buffers but no parameters in __init__, not in configure_model.")
         self._unit_of_group = {id(g): u for u in self.all_units for g in u.groups}
         self.unit_of = {p: u for u in self.all_units for g in u.groups for p in g.params}
         self._next_of: dict[int, Unit] = {}  # unit id -> the unit that ran after it last time
@@ -141,6 +172,15 @@ class ParameterSharder:
             for g in unit.groups:
                 for p in g.params:
                     p._zero_sharder = self  # for gathered_parameters()
+
+    def _flatten(self, params: list[nn.Parameter], resident: bool) -> list[FlatGroup]:
+        """Flat groups of ``params``, materialised first if they are meta (one unit at a time)."""
+        on_meta = [p for p in params if p.is_meta]
+        if on_meta:
+            owners = list(dict.fromkeys(m for p in on_meta for m in self._owners[p]))
+            _materialize(on_meta, owners, self._device or torch.device("cpu"))
+        n, r = self.comm.world_size, self.comm.rank
+        return [FlatGroup(ps, n, r, resident=resident, broadcast_from=self.comm) for ps in _split(params)]
 
     @property
     def all_units(self) -> list[Unit]:
@@ -224,6 +264,72 @@ class ParameterSharder:
         for unit in self.all_units:
             self.release(unit)
         self._last = None
+
+    # ---- whole state dicts, one unit at a time ---------------------------------------------
+
+    def _names(self) -> tuple[dict[str, torch.Tensor], dict[nn.Parameter, list[str]]]:
+        entries = self.module.state_dict(keep_vars=True)
+        names: dict[nn.Parameter, list[str]] = {}
+        for key, value in entries.items():
+            if isinstance(value, nn.Parameter):
+                names.setdefault(value, []).append(key)  # tied weights have several names
+        return entries, names
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with every parameter whole, as CPU copies. A collective."""
+        entries, names = self._names()
+        out: dict[str, torch.Tensor] = {}
+
+        def copy_out(groups: list[FlatGroup]) -> None:
+            for g in groups:
+                for p in g.params:
+                    for key in names.get(p, ()):
+                        out[key] = p.detach().to("cpu", copy=True)
+
+        for unit in self.all_units:
+            self.gather(unit)
+            copy_out(unit.groups)
+            self.release(unit)
+        copy_out(self.resident)
+        for key, value in entries.items():
+            if key not in out:  # buffers
+                out[key] = value.detach().to("cpu", copy=True)
+        return {key: out[key] for key in entries}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load whole tensors into the shards (each rank keeps its slices). A collective."""
+        entries, names = self._names()
+        missing = [k for k in entries if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in entries]
+        if strict and (missing or unexpected):
+            raise KeyError(f"the checkpoint does not match the model: missing keys {missing[:10]}, unexpected keys "
+                           f"{unexpected[:10]}; pass strict=False to load what matches.")
+
+        def load(key: str, target: torch.Tensor) -> None:
+            value = state_dict[key]
+            if value.shape != target.shape:
+                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, the model's has "
+                                 f"{tuple(target.shape)}: the checkpoint is for a different model.")
+            target.copy_(value)
+
+        def load_params(group: FlatGroup) -> None:
+            for p in group.params:
+                key = next((k for k in names.get(p, ()) if k in state_dict), None)
+                if key is not None:
+                    load(key, p.data)
+
+        with torch.no_grad():
+            for unit in self.all_units:
+                self.gather(unit)
+                for g in unit.groups:
+                    load_params(g)
+                    g.save_own_slices()
+                self.release(unit)
+            for g in self.resident:
+                load_params(g)
+            for key, value in entries.items():
+                if not isinstance(value, nn.Parameter) and key in state_dict:
+                    load(key, value)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
