@@ -93,3 +93,37 @@ def test_two_ranks_hold_half_the_optimizer_state(stage):
         assert stats["total"] == sum(stats[k] for k in ("params", "grads", "optimizer_states", "master_params"))
     # together the ranks hold each moment element exactly once: no padding gets state
     assert sum(s["optimizer_states"] - 4 * p for s, _, _, p, _ in results) == adam_state
+
+
+def _measure_stage3(rank, world_size):
+    from zero_strategy.engine import shard_module
+
+    torch.manual_seed(0)
+    model = Wide()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    everything = sum(p.numel() for p in model.parameters())
+    config = ZeroConfig(stage=3, shard_modules=("Linear",), param_persistence_threshold=1000)
+    user_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sharder = shard_module(model, config)
+    opt = ZeroOptimizer(user_opt, config, sharder=sharder)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+    F.mse_loss(model(x), torch.zeros(4, 129)).backward()
+    opt.step()
+    resident = sum(p.numel() for g in sharder.resident for p in g.params)
+    pieces = sum(len(g.pieces) for g in opt.groups)
+    largest_unit = max(g.layout.numel for u in sharder.units for g in u.groups) * 4
+    gathered = [u.name for u in sharder.all_units if u.gathered]
+    return memory_stats(model, [opt]), trainable, everything, resident, pieces, largest_unit, gathered
+
+
+@pytest.mark.timeout(120)
+def test_stage3_holds_half_of_everything():
+    for stats, trainable, everything, resident, pieces, largest_unit, gathered in run_distributed(_measure_stage3, 2):
+        assert gathered == []  # between steps every unit is released
+        sharded = everything - resident
+        # params: half of the sharded ones plus the resident biases (whole), up to padding
+        assert stats["params"] == pytest.approx(4 * (sharded / 2 + resident), rel=0.01)
+        # grads: half, plus the staging buffers kept for the reductions in flight
+        assert 4 * trainable / 2 * 0.99 <= stats["grads"] <= 4 * trainable / 2 * 1.01 + (MAX_INFLIGHT + 1) * largest_unit
+        assert stats["optimizer_states"] - 4 * pieces == pytest.approx(8 * trainable / 2, rel=0.01)
+        assert stats["master_params"] == 0

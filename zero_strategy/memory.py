@@ -97,11 +97,13 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
     """This rank's bytes held by ``module``'s parameters and gradients and by ``optimizers``.
 
     Counted from the live tensors' storages, each storage once; a ZeroOptimizer's fp32 master
-    that aliases the parameters (see [Note: master weights]) is counted as parameters only.
+    that aliases the parameters (see [Note: master weights]) is counted as parameters only. At
+    stage 3, parameters are the shards plus whatever units are gathered at the moment.
     """
     count = _StorageCounter()
     optimizers = list(optimizers)
-    stats = {"params": count(p for p in module.parameters())}
+    sharders = dict.fromkeys(s for s in (getattr(p, "_zero_sharder", None) for p in module.parameters()) if s)
+    stats = {"params": count([*module.parameters(), *(t for s in sharders for t in s.held_tensors())])}
     zero = [o for o in optimizers if isinstance(o, ZeroOptimizer)]
     stats["grads"] = count([t for o in zero for t in o.memory_tensors()["grads"]]
                            + [p.grad for p in module.parameters() if p.grad is not None])

@@ -32,13 +32,14 @@ class Throughput(Callback):
     """
 
     def __init__(self, warmup_steps: int = 5) -> None:
-        # warmup_steps 5: the first batches pay for lazy initialisation and allocator growth
+        # warmup_steps 5: the first batches of a run pay for lazy initialisation and allocator growth
         super().__init__()
         self.warmup_steps = warmup_steps
         self.unit = "samples"
         self.items = 0
         self.seconds = 0.0
         self._started: Optional[float] = None
+        self._batches = 0  # in this run: a resumed run starts at a high global_step but is cold again
         self._window_items = 0
         self._window_seconds = 0.0
 
@@ -49,7 +50,7 @@ class Throughput(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.unit = getattr(pl_module, "throughput_unit", "samples")
-        self.items, self.seconds = 0, 0.0
+        self.items, self.seconds, self._batches = 0, 0.0, 0
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
@@ -57,7 +58,8 @@ class Throughput(Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._started is None or trainer.global_step <= self.warmup_steps:
+        self._batches += 1
+        if self._started is None or self._batches <= self.warmup_steps:
             return
         seconds = time.perf_counter() - self._started
         count = pl_module.items_in_batch(batch) if hasattr(pl_module, "items_in_batch") else len(batch[0])

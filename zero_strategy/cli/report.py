@@ -58,8 +58,10 @@ def print_memory_table(measured: Sequence[Mapping[str, int]], formula: Mapping[s
         table.add_row("", "ZeRO formula", *(format_bytes(formula[k]) for k in (*KEYS, "total")),
                       end_section=rank == len(measured) - 1 or None)
     console().print(table)
-    console().print("measured: live tensors, each storage once (memory_stats); formula: estimate_memory, the "
-                    "ZeRO paper's per-rank bytes. Padding to a multiple of the world size can add a little.")
+    console().print("measured: live tensors, each storage once (memory_stats). formula: estimate_memory, the "
+                    "ZeRO paper's per-rank bytes. Measured gradients at stage 2 include the reused staging "
+                    "buffers of in-flight reductions (at most a few buckets of bucket_cap_mb); padding to a "
+                    "multiple of the world size adds a little.")
 
 
 def print_final(metrics: Mapping[str, float], extras: Mapping[str, Any]) -> None:

@@ -24,6 +24,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, read_write
 
@@ -33,7 +34,7 @@ from .callbacks import MemoryTable, Throughput
 from .configs import config_dir
 from .errors import explain_failure
 from .report import print_config, print_final
-from .validate import check_config
+from .validate import ConfigError, check_config
 
 register_resolvers()
 
@@ -85,9 +86,13 @@ def parameter_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def summarize(trainer: L.Trainer, model: L.LightningModule, seconds: float, output_dir: Path) -> dict[str, Any]:
+def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+
+
+def summarize(trainer: L.Trainer, model: L.LightningModule, metrics: dict[str, float], seconds: float,
+              output_dir: Path) -> dict[str, Any]:
     """Write summary_rank<r>.json (every rank) and print the final table (rank 0)."""
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     throughput = next((c for c in trainer.callbacks if isinstance(c, Throughput)), None)
     memory = next((c for c in trainer.callbacks if isinstance(c, MemoryTable)), None)
     rate = throughput.per_second if throughput else None
@@ -104,7 +109,7 @@ def summarize(trainer: L.Trainer, model: L.LightningModule, seconds: float, outp
     (output_dir / f"summary_rank{trainer.global_rank}.json").write_text(json.dumps(summary, indent=1))
     if trainer.is_global_zero:
         print_final(metrics, {"steps": trainer.global_step, "ranks": trainer.world_size,
-                              "wall time": f"{seconds:.1f} s", "last checkpoint": ckpt or "-",
+                              "fit time": f"{seconds:.1f} s", "last checkpoint": ckpt or "-",
                               "outputs": str(output_dir)})
     return summary
 
@@ -121,11 +126,18 @@ def run(cfg: DictConfig) -> float | None:
         L.seed_everything(cfg.seed, workers=True)  # before building: model init is seeded too
         objects = build(cfg)
         trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+        # the step of fit's last validation: when it is the last step, the final validation is skipped
+        validated_at = [-1]
+        trainer.callbacks.append(LambdaCallback(
+            on_validation_end=lambda t, m: validated_at.__setitem__(0, t.global_step)))
         start = time.perf_counter()
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        if cfg.final_validation:
+        seconds = time.perf_counter() - start
+        metrics = scalar_metrics(trainer)  # trainer.validate replaces them: keep the training ones
+        if cfg.final_validation and validated_at[0] != trainer.global_step:
             trainer.validate(model, datamodule=datamodule, verbose=False)
-        summary = summarize(trainer, model, time.perf_counter() - start, output_dir)
+            metrics.update(scalar_metrics(trainer))
+        summary = summarize(trainer, model, metrics, seconds, output_dir)
         return summary["metrics"].get("val/loss")
     finally:
         # gloo's threads can abort an exiting interpreter, and a multirun's next job needs a fresh group
@@ -140,7 +152,11 @@ def run(cfg: DictConfig) -> float | None:
 
 @hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    return run(cfg)
+    try:
+        return run(cfg)
+    except ConfigError as err:  # a mistake on the command line: the message says it all, no traceback
+        print(f"zero-train: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
@@ -34,6 +35,18 @@ def _nodes_with_target(node: Any, path: str) -> Iterator[tuple[str, DictConfig]]
     elif isinstance(node, ListConfig):
         for i in range(len(node)):
             yield from _nodes_with_target(node._get_node(i), f"{path}[{i}]")
+
+
+def _missing_keys(node: Any, path: str) -> Iterator[str]:
+    """Keys left at ``???``, found without resolving anything (an unrelated broken interpolation
+    must not hide them; OmegaConf.missing_keys resolves as it walks)."""
+    if isinstance(node, DictConfig):
+        for key in node:
+            full = f"{path}.{key}" if path else str(key)
+            if OmegaConf.is_missing(node, key):
+                yield full
+            else:
+                yield from _missing_keys(node._get_node(key), full)
 
 
 def _accepts(annotation: Any, value: Any) -> Optional[bool]:
@@ -97,19 +110,30 @@ def _check_node(path: str, node: DictConfig, problems: list[str]) -> None:
         value = node._get_node(key)
         if isinstance(value, DictConfig) and "_target_" in value:
             continue  # built by Hydra first; its own node is checked separately
-        plain = OmegaConf.to_object(value) if isinstance(value, (DictConfig, ListConfig)) else node[key]
+        try:
+            plain = OmegaConf.to_object(value) if isinstance(value, (DictConfig, ListConfig)) else node[key]
+        except InterpolationResolutionError as err:
+            problems.append(_unresolvable(f"{path}.{key}", value, err))
+            continue
         annotation = hints.get(key, params[key].annotation)
         if _accepts(annotation, plain) is False:
             problems.append(f"{path}.{key}={plain!r} ({type(plain).__name__}) does not fit {target_name}'s "
                             f"{key}: {_describe(annotation)}")
 
 
+def _unresolvable(key: str, node: Any, err: Exception) -> str:
+    text = f"{key}={node._value()} cannot be resolved: {str(err).splitlines()[0]}"
+    if "${data." in str(node._value()):
+        text += (". The model reads this from the data config, so this model and data set do not fit "
+                 "together: language models (gpt, gpt2) need data with seq_len (stdlib, text, synthetic); "
+                 "mlp needs gaussian; bert needs corrupted_source (a model preset selects its data by default)")
+    return text
+
+
 def check_config(cfg: DictConfig, sections: Optional[Sequence[str]] = None) -> None:
     """Raise ConfigError listing every problem found (all at once, not one per run); only in
     ``sections`` (top-level keys) when given."""
-    roots = list(cfg.keys()) if sections is None else [k for k in sections if k in cfg]
-    missing = sorted(f"{root}.{key}" for root in roots if isinstance(cfg._get_node(root), DictConfig)
-                     for key in OmegaConf.missing_keys(cfg[root]))
+    missing = [key for key in _missing_keys(cfg, "") if sections is None or key.split(".")[0] in sections]
     problems = [f"{key} is required but not set (it is ??? in the config); pass {key}=..." for key in missing]
     for path, node in _nodes_with_target(cfg, ""):
         if sections is None or path.split(".")[0] in sections:

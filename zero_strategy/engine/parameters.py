@@ -129,7 +129,14 @@ def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], de
             raise ValueError(
                 f"{type(m).__name__} was built on the meta device (inside configure_model at stage 3) but has no "
                 "reset_parameters() to initialise it; add one, or build this module in __init__ instead.")
-        m.to_empty(device=device, recurse=False)
+        # not Module.to_empty: it replaces meta Parameters by new objects, and the sharder, the
+        # optimizer and tied modules all hold these ones; swap_tensors keeps each object
+        for p in m.parameters(recurse=False):
+            if p.is_meta:
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
+        for name, b in m.named_buffers(recurse=False):
+            if b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device=device)
         m.reset_parameters()
 
 
@@ -264,6 +271,10 @@ class ParameterSharder:
         for unit in self.all_units:
             self.release(unit)
         self._last = None
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Parameter storage held now: every shard, and the full buffers of gathered or resident groups."""
+        return [t for g in self.groups for t in (g.shard, g.buffer) if t is not None]
 
     # ---- whole state dicts, one unit at a time ---------------------------------------------
 
