@@ -38,9 +38,8 @@ def _build_sharded(width: int, depth: int, seed: int = 0):
 
 
 def _peak_while_sharding(rank, world_size):
-    with open("/proc/self/clear_refs", "w") as f:  # reset the peak resident set (VmHWM) to now
-        f.write("5")
     before = _rss_kib("VmRSS:")
+    assert _rss_kib("VmHWM:") - before < 50 * 1024, "the process peaked before: the measurement would hide it"
     model, sharder = _build_sharded(width=2048, depth=24)  # 100.7M parameters, 403 MB in fp32
     peak = (_rss_kib("VmHWM:") - before) * 1024
     full = sum(g.layout.numel for g in sharder.groups) * 4
@@ -49,13 +48,16 @@ def _peak_while_sharding(rank, world_size):
 
 
 @pytest.mark.timeout(240)
-def test_a_100m_model_never_exists_whole_on_a_rank():
+def test_a_100m_model_never_exists_whole_on_a_rank(monkeypatch):
+    # glibc otherwise raises its mmap threshold after the first large free and keeps later freed
+    # buffers in its heap, so the resident set would count memory the program has released
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     for peak, full, held in run_distributed(_peak_while_sharding, 2):
         assert full > 400e6
         assert held == pytest.approx(full / 2, rel=0.01)  # each rank keeps half
         unit = 2048 * 2049 * 4  # one Linear: 16.8 MB
         # the peak is this rank's half plus a couple of units being built, far below the whole model
-        assert peak < full / 2 + 4 * unit, f"peak {peak / 1e6:.0f} MB for a {full / 1e6:.0f} MB model"
+        assert peak < full / 2 + 3 * unit, f"peak {peak / 1e6:.0f} MB for a {full / 1e6:.0f} MB model"
 
 
 def _state_at(rank, world_size):
