@@ -65,6 +65,19 @@ def _mlp_loss(model, step, rank):
     return F.mse_loss(model(x, step, 0), y)  # every rank runs the same modules at stage 3
 
 
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=37, n_positions=16, n_embd=24, n_layer=3, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)  # random init; lm_head is tied to the token embedding
+
+
+def _gpt2_loss(model, step, rank):
+    x, _ = _lm_batch(step, rank)
+    return model(input_ids=x, labels=x).loss
+
+
 CASES = {
     # name: (model factory, loss, optimizer groups, config)
     "mlp-linear-units": (OddMLP, _mlp_loss, param_groups,
@@ -75,15 +88,9 @@ CASES = {
                   ZeroConfig(stage=3, shard_modules=("Block",), param_persistence_threshold=13)),
     "lm-no-prefetch": (TinyLM, _lm_loss, lambda m: m.parameters(),
                        ZeroConfig(stage=3, shard_modules=(Block,), param_persistence_threshold=0, prefetch=False)),
+    "transformers-gpt2": (_gpt2, _gpt2_loss, lambda m: m.parameters(),
+                          ZeroConfig(stage=3, shard_modules=("GPT2Block",), param_persistence_threshold=0)),
 }
-
-
-def _evaluate(model, rank):
-    with torch.no_grad():
-        return _LOSSES[model.__class__](model, 999, rank).item()
-
-
-_LOSSES = {OddMLP: _mlp_loss, TinyLM: _lm_loss}
 
 
 def _stage3_vs_ddp(rank, world_size, case, optimizer):
@@ -107,8 +114,9 @@ def _stage3_vs_ddp(rank, world_size, case, optimizer):
             o.step()
             out.append(loss.item())
         if step % 4 == 3:  # evaluation between steps, under no_grad
-            losses.append(_evaluate(model, rank))
-            ref_losses.append(_evaluate(reference, rank))
+            with torch.no_grad():
+                losses.append(loss_fn(model, 999, rank).item())
+                ref_losses.append(loss_fn(reference, 999, rank).item())
     from zero_strategy import gathered_parameters
 
     with gathered_parameters(model):
