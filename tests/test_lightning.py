@@ -74,6 +74,15 @@ def test_trainer_matches_ddp(tmp_path, tmp_root, strategy):
 
 
 @pytest.mark.timeout(300)
+def test_stage3_builds_configure_model_on_meta_and_matches_ddp(tmp_path, tmp_root):
+    # Layers built in configure_model go on the meta device and are materialised one unit at a
+    # time, in module order, so they draw the same random numbers as DDP's eager construction.
+    zero = launch(tmp_path, "zero3-linear", "--configure-model")
+    assert [z["built_on"] for z in zero] == ["meta", "meta"]
+    assert_same_run(zero, ddp_run(tmp_root))
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", STAGES)
 def test_clipping_by_norm_matches_ddp(tmp_path, tmp_root, strategy):
     # 0.05 is below the gradient norm of the steps here, so the clip changes the run

@@ -27,16 +27,23 @@ def dataset(n: int, seed: int) -> TensorDataset:
 
 
 class Classifier(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, build_in_configure_model: bool = False) -> None:
         super().__init__()
-        self.embed = nn.Linear(11, 11)
-        self.embed.requires_grad_(False)  # a frozen layer
-        self.body = nn.Sequential(nn.Linear(11, 37), nn.Tanh(), nn.Linear(37, 37), nn.Tanh())
-        self.head = nn.Linear(37, 3)
+        if not build_in_configure_model:
+            self.configure_model()
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
         self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
         self.losses: list[float] = []
         self.lrs: list[float] = []
+
+    def configure_model(self) -> None:
+        if hasattr(self, "head"):
+            return
+        self.embed = nn.Linear(11, 11)
+        self.embed.requires_grad_(False)  # a frozen layer
+        self.body = nn.Sequential(nn.Linear(11, 37), nn.Tanh(), nn.Linear(37, 37), nn.Tanh())
+        self.head = nn.Linear(37, 3)
+        self.built_on = self.head.weight.device.type
 
     def forward(self, x):
         return self.head(self.body(self.embed(x)))
@@ -99,18 +106,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--configure-model", action="store_true", help="build the layers in configure_model")
     parser.add_argument("--stop-at", type=int, default=0, help="fit to this step, save, resume in a new Trainer")
     args = parser.parse_args()
 
     L.seed_everything(0)
-    model = Classifier()
+    model = Classifier(args.configure_model)
     train, val = loaders()
     if args.stop_at:
         first = trainer(args, args.stop_at)
         first.fit(model, train, val)
         ckpt = os.path.join(args.out, "mid.ckpt")
         first.save_checkpoint(ckpt)
-        model = Classifier()  # fresh weights: everything must come from the checkpoint
+        model = Classifier(args.configure_model)  # fresh weights: everything must come from the checkpoint
         model.losses = first.lightning_module.losses
         model.lrs = first.lightning_module.lrs
         fit_trainer = trainer(args, args.steps)
@@ -133,7 +141,8 @@ def main() -> None:
     }
     torch.save({
         "losses": model.losses, "lrs": model.lrs, "validate": validated, "test": tested,
-        "predict": torch.cat(predicted), "memory": memory, "collectives": collectives, "world_size": fit_trainer.world_size,
+        "predict": torch.cat(predicted), "memory": memory, "collectives": collectives,
+        "built_on": model.built_on, "world_size": fit_trainer.world_size,
         "params": strategy.lightning_module_state_dict(),  # whole at every stage (a collective)
     }, os.path.join(args.out, f"rank{rank}.pt"))
     # Leaving gloo's threads to interpreter shutdown sometimes aborts the process

@@ -1,0 +1,146 @@
+"""zero-train and zero-estimate as users run them: every strategy preset on 2 CPU processes, a
+multirun, a resume, bad command lines, and the estimator's numbers."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from zero_strategy import estimate_memory
+from zero_strategy.cli.report import format_bytes
+
+from .cli_runs import metric_rows, run, script, summaries, zero_train
+
+SMOKE = ("experiment=smoke",)  # a 6-step one-layer GPT: every part of a run, in seconds
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory):
+    """One ZeRO-2 smoke run shared by the tests that only read its outputs."""
+    root = tmp_path_factory.mktemp("zero2")
+    proc = zero_train(root, *SMOKE, "strategy=zero2", f"hydra.run.dir={root / 'run'}")
+    return root / "run", proc
+
+
+def check_finished_run(run_dir, stage: int, steps: int) -> list[dict]:
+    ranks = summaries(run_dir)
+    for r, s in enumerate(ranks):
+        assert (s["global_rank"], s["world_size"], s["global_step"]) == (r, 2, steps)
+        assert math.isfinite(s["metrics"]["val/loss"]) and s["metrics"]["val/loss"] < math.log(256) + 0.1
+        assert s["metrics"]["throughput/tokens_per_sec"] > 0
+        mem = s["memory"]
+        assert mem["stage"] == stage
+        for m in mem["measured"]:
+            # the sharded optimizer state is the formula's (Adam: 8 bytes per parameter over the
+            # ranks that share it) up to the per-piece step counters
+            assert mem["formula"]["optimizer_states"] <= m["optimizer_states"] <= mem["formula"]["optimizer_states"] + 512
+            assert m["params"] == mem["formula"]["params"]
+    # data parallel ranks end with the same model
+    assert ranks[0]["param_digest"] == ranks[1]["param_digest"]
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    rows = metric_rows(run_dir)
+    assert any(r.get("train/loss") for r in rows) and any(r.get("throughput/tokens_per_sec") for r in rows)
+    return ranks
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_each_strategy_preset_trains_on_two_processes(tmp_path, strategy):
+    proc = zero_train(tmp_path, *SMOKE, f"strategy={strategy}", f"hydra.run.dir={tmp_path / 'run'}")
+    ranks = check_finished_run(tmp_path / "run", stage={"ddp": 0, "zero1": 1}[strategy], steps=6)
+    if strategy == "zero1":  # each rank holds half of Adam's state; DDP holds all of it
+        n = ranks[0]["memory"]["num_params"]
+        assert ranks[0]["memory"]["formula"]["optimizer_states"] == 8 * n // 2
+    assert "Model-state memory per rank" in proc.stdout and "Final metrics" in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_zero2_preset_and_what_a_run_prints(zero2_run):
+    run_dir, proc = zero2_run
+    check_finished_run(run_dir, stage=2, steps=6)
+    out = proc.stdout
+    for shown in ("zero-train model=gpt data=synthetic strategy=zero2", "Model-state memory per rank",
+                  "ZeRO formula", "Final metrics", "throughput/tokens_per_sec", "val/ppl", "Epoch 0"):
+        assert shown in out, shown
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train_ddp_process_1.log").is_file()
+
+
+@pytest.mark.timeout(200)
+def test_resume_from_last_checkpoint(tmp_path, zero2_run):
+    run_dir, _ = zero2_run
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    proc = zero_train(tmp_path, *SMOKE, f"ckpt_path={ckpt}", "trainer.max_steps=9", f"hydra.run.dir={tmp_path / 'r'}")
+    assert "Restored all states from the checkpoint" in proc.stderr
+    check_finished_run(tmp_path / "r", stage=2, steps=9)
+    logged_steps = [int(r["step"]) for r in metric_rows(tmp_path / "r") if r.get("train/loss")]
+    assert min(logged_steps) >= 6 and max(logged_steps) == 8  # continued from step 6, not from 0
+
+
+@pytest.mark.timeout(240)
+def test_multirun_launches_each_jobs_ranks_in_its_own_folder(tmp_path):
+    sweep = tmp_path / "sweep"
+    zero_train(tmp_path, "-m", *SMOKE, "strategy=zero1,zero2", f"hydra.sweep.dir={sweep}")
+    for job, stage in ((0, 1), (1, 2)):
+        job_dir = sweep / str(job)
+        assert f"strategy=zero{stage}" in (job_dir / ".hydra" / "overrides.yaml").read_text()
+        # rank 1 (started by Lightning's launcher) finished in its job's folder, with its job's strategy
+        check_finished_run(job_dir, stage=stage, steps=6)
+        assert (job_dir / "train_ddp_process_1.log").is_file()
+    assert not (tmp_path / "outputs").exists(), "a child rank made a run folder of its own"
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+
+
+BAD = {
+    "unknown strategy": (["strategy=zero9"], ["Could not find 'strategy/zero9'",  # Hydra's
+                                              "Available: ddp, zero1, zero2", "Did you mean strategy=zero2"]),
+    "unknown key": (["trainer.max_stepz=5"], ["Key 'max_stepz' is not in struct", "Did you mean trainer.max_steps"]),
+    "wrong type": (["trainer.max_steps=ten"], ["trainer.max_steps='ten' (str) does not fit",
+                                               "lightning.pytorch.Trainer's max_steps: int"]),
+    "missing value": (["data=text"], ["data.path is required"]),
+    "models that do not fit": (["model=gpt", "data=gaussian"], ["this model and data set do not fit together"]),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_overrides_say_what_to_do(tmp_path, case):
+    overrides, expected = BAD[case]
+    proc = zero_train(tmp_path, *overrides, f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode != 0
+    for text in expected:
+        assert text in proc.stderr, f"{text!r} not in:\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr  # a typo is not a crash
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was launched
+
+
+def estimate_cells(stdout: str, stage: int) -> list[str]:
+    line = next(ln for ln in stdout.splitlines() if re.match(rf"│ {stage}\b", ln))
+    return [c.strip() for c in line.strip("│ ").split("│")]
+
+
+@pytest.mark.timeout(120)
+def test_estimate_prints_estimate_memory_for_every_stage(tmp_path):
+    proc = run([script("zero-estimate"), "model=gpt", "world_size=64"], tmp_path)
+    n = 842_496  # conf/model/gpt.yaml: 4 layers of 128, byte vocabulary, tied embeddings counted once
+    assert f"{n:,} parameters, 64 ranks, 32-true" in proc.stdout
+    for stage in range(4):
+        est = estimate_memory(n, stage=stage, world_size=64)
+        cells = estimate_cells(proc.stdout, stage)
+        assert cells[2:] == [format_bytes(est[k]) for k in ("params", "grads", "optimizer_states",
+                                                             "master_params", "total")]
+    assert estimate_cells(proc.stdout, 2)[0] == "2 *"  # the configured preset is zero2
+
+
+@pytest.mark.timeout(120)
+def test_estimate_transformers_gpt2_matches_own_gpt_and_rejects_bad_world(tmp_path):
+    # model=gpt2 (GPT2LMHeadModel) has the same shape as model=gpt: the same count, ties counted once
+    proc = run([script("zero-estimate"), "model=gpt2", "world_size=8", "precision=bf16-mixed", "offload=true"],
+               tmp_path)
+    assert "842,496 parameters, 8 ranks, bf16-mixed" in proc.stdout
+    est = estimate_memory(842_496, stage=3, world_size=8, precision="bf16-mixed", offload_optimizer=True,
+                          offload_params=True)
+    assert format_bytes(est["host"]) in proc.stdout and "opt+params" in proc.stdout
+    bad = run([script("zero-estimate"), "world_size=0"], tmp_path, check=False)
+    assert bad.returncode == 2 and "world_size=0 must be a positive integer" in bad.stderr

@@ -1,0 +1,67 @@
+"""The README's set-up commands as written, and the example projects with small settings."""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from .cli_runs import run, summaries, zero_train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def setup_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Set-up", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_readme_setup_commands_are_install_then_main_job_then_pytest():
+    first, second = setup_commands()
+    steps = [s.strip() for s in first.split("&&")]
+    assert steps[0] == "python -m pip install torch==2.13.0"
+    assert steps[1] == 'python -m pip install -e ".[test]"'
+    assert shlex.split(steps[-1])[0] == "zero-train"
+    assert second == "python -m pytest"
+
+
+@pytest.mark.timeout(240)
+def test_readme_main_job_as_written_with_a_step_cap(tmp_path):
+    main_job = shlex.split([s.strip() for s in setup_commands()[0].split("&&")][-1])
+    # the README's exact arguments; only the length is capped (the full run takes about 1.5 minutes)
+    proc = zero_train(tmp_path, *main_job[1:], "trainer.max_steps=20", f"hydra.run.dir={tmp_path / 'run'}")
+    ranks = summaries(tmp_path / "run")
+    mem = ranks[0]["memory"]
+    assert (mem["stage"], mem["num_params"], ranks[0]["world_size"]) == (2, 842_496, 2)  # small GPT, ZeRO-2
+    assert ranks[0]["metrics"]["val/loss"] < math.log(256) - 1  # well below guessing a byte uniformly
+    assert ranks[0]["param_digest"] == ranks[1]["param_digest"]
+    assert "data=stdlib" in proc.stdout and "Final metrics" in proc.stdout
+
+
+EXAMPLES = {
+    # example: (small settings, what it must print)
+    "mlp_classifier": (["--max-steps", "60"], r"validation accuracy: (0\.\d+)", 0.3),  # chance 0.1
+    "bert_classifier": (["--max-steps", "150"], r"validation accuracy: (0\.\d+)", 0.6),  # chance 0.5
+    "gpt2_lm": (["--max-steps", "30"], r"validation loss: (\d+\.\d+)", None),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("example", list(EXAMPLES))
+def test_example_runs_on_two_cpu_processes(tmp_path, example):
+    args, pattern, at_least = EXAMPLES[example]
+    proc = run([sys.executable, str(ROOT / "examples" / example / "train.py"), *args], tmp_path)
+    value = float(re.search(pattern, proc.stdout).group(1))
+    if at_least is not None:
+        assert value > at_least, proc.stdout[-2000:]
+    else:
+        assert value < math.log(256) - 1  # nats per byte, below uniform guessing
+    for rank in (0, 1):  # each rank reports its memory next to the formula
+        assert f"[rank {rank}]   optimizer_states" in proc.stdout
+    assert (ROOT / "examples" / example / "README.md").is_file()
