@@ -134,3 +134,40 @@ def test_stage3_matches_ddp(case, optimizer):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
         for name, (p, q) in params.items():
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _edit_under_gathered_parameters(rank, world_size):
+    from zero_strategy import gathered_parameters
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    config = ZeroConfig(stage=3, shard_modules=("Block",), param_persistence_threshold=13)
+    sharder = shard_module(model, config)
+    proj = model.blocks[1].proj.weight  # sharded: empty outside the block
+    norm = model.norm.weight  # 12 elements: resident, whole everywhere
+    seen = {"outside": tuple(proj.shape)}
+    with gathered_parameters([proj, norm]), torch.no_grad():
+        seen["inside"] = tuple(proj.shape)
+        original = proj.detach().clone()
+        proj.fill_(float(rank + 1))  # no modifier: discarded
+    with gathered_parameters([proj]):
+        seen["discarded"] = torch.equal(proj, original)
+    with gathered_parameters(model, modifier_rank=1), torch.no_grad():
+        proj.fill_(float(10 * (rank + 1)))
+        norm.fill_(float(10 * (rank + 1)))
+    with gathered_parameters(model.blocks[1]):
+        seen["proj"] = proj.detach().clone()
+    seen["norm"] = norm.detach().clone()
+    seen["released_again"] = tuple(proj.shape)
+    seen["state"] = sharder.full_state_dict()["blocks.1.proj.weight"]
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_gathered_parameters_gives_full_parameters_and_keeps_the_modifiers_edits():
+    for seen in run_distributed(_edit_under_gathered_parameters, 2):
+        assert seen["outside"] == (0,) and seen["released_again"] == (0,)
+        assert seen["inside"] == (12, 24) and seen["discarded"]
+        assert torch.equal(seen["proj"], torch.full((12, 24), 20.0))  # rank 1's edit, on both ranks
+        assert torch.equal(seen["norm"], torch.full((12,), 20.0))
+        assert torch.equal(seen["state"], seen["proj"])
