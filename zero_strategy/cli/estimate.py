@@ -54,7 +54,7 @@ def estimate_rows(num_params: int, world_size: int, precision: str, offload: boo
     rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision)}
             for s in (0, 1, 2, 3)]
     if offload:
-        variants = [(2, "optimizer", True, False), (3, "optimizer", True, False), (3, "optimizer+params", True, True)]
+        variants = [(2, "optimizer", True, False), (3, "optimizer", True, False), (3, "opt+params", True, True)]
         rows += [{"stage": s, "offload": name,
                   "estimate": estimate_memory(num_params, s, world_size, precision, offload_optimizer=opt,
                                               offload_params=par)}

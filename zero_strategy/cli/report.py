@@ -80,8 +80,8 @@ def print_estimates(rows: Sequence[Mapping[str, Any]], num_params: int, world_si
     """One row per stage (and offload variant): bytes per rank from ``estimate_memory``."""
     table = Table(title=f"Estimated model-state memory per rank: {num_params:,} parameters, "
                         f"{world_size} ranks, {precision}")
-    table.add_column("stage")
-    table.add_column("offload")
+    table.add_column("stage", no_wrap=True)
+    table.add_column("offload", no_wrap=True)
     for key in (*KEYS, "total"):
         table.add_column(LABELS[key], justify="right")
     if show_host:
@@ -89,11 +89,13 @@ def print_estimates(rows: Sequence[Mapping[str, Any]], num_params: int, world_si
         table.add_column("on host", justify="right")
     for row in rows:
         est = row["estimate"]
-        stage = f"{row['stage']}" + (" <- strategy" if row["stage"] == configured_stage and not row["offload"] else "")
+        stage = f"{row['stage']}" + (" *" if row["stage"] == configured_stage and not row["offload"] else "")
         cells = [stage, row["offload"] or "-", *(format_bytes(est[k]) for k in (*KEYS, "total"))]
         if show_host:
             cells += [format_bytes(est["device"]), format_bytes(est["host"])]
         table.add_row(*cells)
     console().print(table)
+    if configured_stage is not None:
+        console().print("* the configured strategy's stage. ", end="")
     console().print("Stage 0 is plain data parallelism (DDP). Activations, temporary buffers and the "
                     "framework's own memory come on top of these model states.")

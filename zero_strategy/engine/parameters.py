@@ -91,6 +91,7 @@ def plan_units(module: nn.Module, shard_modules: Sequence[Union[str, type]], min
             if sum(p.numel() for p in mine) >= min_unit_numel:
                 roots[n] = m
                 claimed.update(mine)
+        roots = {n: roots[n] for n, _ in module.named_modules() if n in roots}  # back to model order
 
     def unit_of(mod_name: str) -> Optional[str]:  # the innermost unit module enclosing mod_name
         best = None
