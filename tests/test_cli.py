@@ -35,7 +35,8 @@ def check_finished_run(run_dir, stage: int, steps: int) -> list[dict]:
         for m in mem["measured"]:
             # the sharded optimizer state is the formula's (Adam: 8 bytes per parameter over the
             # ranks that share it) up to the per-piece step counters
-            assert mem["formula"]["optimizer_states"] <= m["optimizer_states"] <= mem["formula"]["optimizer_states"] + 512
+            formula = mem["formula"]["optimizer_states"]
+            assert formula <= m["optimizer_states"] <= formula + 512
             assert m["params"] == mem["formula"]["params"]
     # data parallel ranks end with the same model
     assert ranks[0]["param_digest"] == ranks[1]["param_digest"]

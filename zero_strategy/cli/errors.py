@@ -50,9 +50,11 @@ def diagnose(overrides: Sequence[str], config_name: str = "train") -> list[str]:
                 "that contain spaces or brackets, e.g. 'data.path=\"my notes.txt\"'."]
     hints, plain = [], []
     for o in parsed:
-        key = o.get_key_element()
-        group = key.lstrip("~+")
-        values = [str(v) for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.get_value_element_as_str()]
+        group = o.get_key_element().lstrip("~+")
+        if o.is_sweep_override():
+            values = [str(v) for v in o.sweep_string_iterator()]
+        else:
+            values = [o.get_value_element_as_str()]
         if group in GROUPS and o.value_type is not None:
             options = group_options(group)
             for value in values:
@@ -65,16 +67,19 @@ def diagnose(overrides: Sequence[str], config_name: str = "train") -> list[str]:
                         hint += " " + GROUP_NOTES[group]
                     hints.append(hint)
         else:
-            plain.append((o, values[0]))
+            plain.append(o)
     if hints:
         return hints
-    groups = [o.input_line for o in parsed if o.get_key_element().lstrip("~+") in GROUPS and not o.is_sweep_override()]
+    # the keys there are depend on the groups chosen: compose those alone, then look the keys up
+    groups = [o.input_line for o in parsed if o not in plain and not o.is_sweep_override()]
     base = _compose(groups, config_name)
     if base is None:
         return hints
-    for o, _ in plain:
+    for o in plain:
         key = o.get_key_element()
-        if key.startswith(("+", "~", "hydra.")) or OmegaConf.select(base, key, default=_ABSENT) is not _ABSENT:
+        if key.startswith(("+", "~", "hydra.")):
+            continue
+        if OmegaConf.select(base, key, default=_ABSENT, throw_on_resolution_failure=False) is not _ABSENT:
             continue
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(base, parent) if parent else base
