@@ -105,3 +105,17 @@ def test_resume_from_checkpoint_matches_ddp_resume(tmp_path, tmp_root, strategy)
     # restarts a plain dataloader's epoch on resume, so an uninterrupted run sees other batches).
     # The optimizer state, gathered from both shards into the checkpoint, must carry over exactly.
     assert_same_run(launch(tmp_path, strategy, "--stop-at", "5"), ddp_run(tmp_root, "--stop-at", "5"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("strategy", STAGES)
+def test_mixed_precision_follows_fp32_ddp(tmp_path, tmp_root, strategy, precision):
+    # low-precision weights and gradients, fp32 master shards: within 2e-2 of fp32 over 20 steps
+    zero = launch(tmp_path, strategy, "--precision", precision, "--steps", "20")
+    ddp = ddp_run(tmp_root, "--steps", "20")
+    want_dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    for z, d in zip(zero, ddp):
+        assert len(z["losses"]) == len(d["losses"]) == 20
+        torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(d["losses"]), rtol=2e-2, atol=0)
+        assert z["params"]["head.weight"].dtype == want_dtype

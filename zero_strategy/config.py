@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
+
+import torch
 
 SUPPORTED_STAGES = (1, 2, 3)
 
@@ -43,6 +45,11 @@ class ZeroConfig:
     prefetch: bool = True
     """Stage 3: start the next unit's all-gather when a unit starts (forward) or is reached (backward)."""
 
+    master_weights: bool = True
+    """Low-precision (bf16/fp16) trainable parameters get an fp32 master copy of this rank's shard,
+    which the optimizer updates ("bf16-mixed", "16-mixed"). False updates the low-precision
+    parameters themselves ("bf16-true", "16-true"). fp32 parameters are their own master either way."""
+
     allow_untested_optimizer: bool = False
     """Re-create optimizer classes this package has not verified to be elementwise. A wrong
     guess silently changes the update (the optimizer sees a flat shard, not the parameter's
@@ -71,6 +78,11 @@ class ZeroConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name}={value!r} must be a non-negative integer (a number of parameters).")
+
+    @property
+    def master_dtype(self) -> Optional[torch.dtype]:
+        """dtype of the optimizer's copy of low-precision parameters (None: no copy)."""
+        return torch.float32 if self.master_weights else None
 
     def bucket_numel(self, element_size: int) -> int:
         """Bucket capacity in elements of a dtype of ``element_size`` bytes (at least 1)."""

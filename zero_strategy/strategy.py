@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -109,7 +110,7 @@ class ZeroStrategy(ParallelStrategy):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
-    def precision_plugin(self) -> Precision:
+    def precision_plugin(self) -> ZeroPrecision:
         return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
 
     @precision_plugin.setter
@@ -172,9 +173,10 @@ class ZeroStrategy(ParallelStrategy):
             _sync_module_states(self.model)  # every rank starts from rank 0's weights and buffers
         if fitting:
             order = {p: i for i, p in enumerate(self.model.parameters())}
-            comm = Collectives()
+            comm, scaler = Collectives(), self.precision_plugin.scaler
             self.optimizers = [
-                opt if isinstance(opt, ZeroOptimizer) else ZeroOptimizer(opt, self.config, comm, order, self._sharder)
+                opt if isinstance(opt, ZeroOptimizer)
+                else ZeroOptimizer(opt, self.engine_config, comm, order, self._sharder, scaler)
                 for opt in self.optimizers
             ]
         self.setup_precision_plugin()
@@ -188,7 +190,12 @@ class ZeroStrategy(ParallelStrategy):
             for buffer in self.model.buffers():  # parameters are broadcast unit by unit while sharding
                 if not buffer.is_meta:
                     dist.broadcast(buffer, src=0)
-            self._sharder = shard_module(self.model, self.config, Collectives(), self.root_device)
+            self._sharder = shard_module(self.model, self.engine_config, Collectives(), self.root_device)
+
+    @property
+    def engine_config(self) -> ZeroConfig:
+        """The strategy's settings, with master weights as the precision plugin asks."""
+        return dataclasses.replace(self.config, master_weights=self.precision_plugin.master_weights)
 
     def model_to_device(self) -> None:
         assert self.model is not None

@@ -1,5 +1,11 @@
 """Contiguous flat buffers: a group's parameters become views into one padded buffer.
 
+[Note: master copies]
+Low-precision (bf16/fp16) working weights get an fp32 ``master_shard``: this rank's slices, the
+tensor the optimizer updates. After each step ``write_back()`` rounds it into the working copy
+(the resident buffer's own slices, or the shard). fp32 weights, or half precision without master
+weights ("bf16-true"), are their own master: the optimizer updates the working slices in place.
+
 [Note: resident and sharded groups]
 A *resident* group (stages 1 and 2, and small parameters at stage 3) keeps its full buffer on
 every rank; the rank's shard is a set of slices of it. A *sharded* group (stage 3) keeps only
@@ -29,7 +35,7 @@ class FlatGroup:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int,
                  bucket_numel: int = _NO_BUCKET, resident: bool = True,
-                 broadcast_from: Optional[Collectives] = None) -> None:
+                 broadcast_from: Optional[Collectives] = None, master_dtype: Optional[torch.dtype] = None) -> None:
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]  # a released parameter's own shape is (0,)
         self.rank = rank
@@ -47,9 +53,12 @@ class FlatGroup:
         if broadcast_from is not None:  # every rank starts from rank 0's values, as DDP does
             broadcast_from.broadcast(self.buffer, src=0)
         self._point_params_at(self.buffer)
+        own = torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments])
+        # see [Note: master copies]
+        self.master_shard = own.to(master_dtype) if master_dtype not in (None, self.dtype) else None
         self.shard: Optional[torch.Tensor] = None
         if not resident:
-            self.shard = torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments])
+            self.shard = own
             self.release()
 
     @property
@@ -81,7 +90,9 @@ class FlatGroup:
                 zip(self.layout.param_offsets, self.layout.numels, self.shapes)]
 
     def master(self, piece: Piece) -> torch.Tensor:
-        """The tensor the optimizer updates for ``piece``: see [Note: master weights]."""
+        """The tensor the optimizer updates for ``piece``: see [Note: master copies]."""
+        if self.master_shard is not None:
+            return self.master_shard[piece.shard_offset : piece.shard_offset + piece.numel]
         if self.resident:
             assert self.buffer is not None
             return self.piece_of(self.buffer, piece)
@@ -113,8 +124,27 @@ class FlatGroup:
             p.data = empty
         self.buffer = None
 
+    def write_back(self) -> None:
+        """After a step: round the fp32 master into the working weights (this rank's slices), and
+        drop a sharded group's gathered copy, which no longer matches its shard."""
+        if self.resident:
+            if self.master_shard is not None:
+                assert self.buffer is not None
+                for seg in self.segments:
+                    lo = seg.shard_start
+                    self.own_shard_of(self.buffer, seg).copy_(self.master_shard[lo : lo + seg.shard_numel])
+            return
+        assert self.shard is not None
+        if self.master_shard is not None:
+            self.shard.copy_(self.master_shard)
+        if self.buffer is not None:
+            self.release()
+
     def save_own_slices(self) -> None:
         """Copy this rank's slices of the (gathered, edited) full buffer back into the shard."""
         assert self.buffer is not None and self.shard is not None
         for seg in self.segments:
-            self.shard[seg.shard_start : seg.shard_start + seg.shard_numel].copy_(self.own_shard_of(self.buffer, seg))
+            own = self.own_shard_of(self.buffer, seg)
+            self.shard[seg.shard_start : seg.shard_start + seg.shard_numel].copy_(own)
+            if self.master_shard is not None:
+                self.master_shard[seg.shard_start : seg.shard_start + seg.shard_numel].copy_(own)

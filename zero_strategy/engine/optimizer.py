@@ -22,6 +22,7 @@ from .collectives import Collectives, wait_all
 from .flat import FlatGroup
 from .gradients import GradientReducer
 from .parameters import ParameterSharder
+from .scaler import LossScaler
 from .state import consolidate_state, shard_state
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
@@ -37,7 +38,6 @@ _NOT_SHARDABLE: dict[str, str] = {
     "Adafactor": "factors its second moment over the rows and columns of each parameter's shape",
     "Muon": "orthogonalises each parameter as a whole matrix",
 }
-_FULL_PRECISION = (torch.float32, torch.float64)
 
 
 def check_optimizer_supported(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
@@ -84,7 +84,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
                  comm: Optional[Collectives] = None,
                  param_order: Optional[Mapping[torch.nn.Parameter, int]] = None,
-                 sharder: Optional[ParameterSharder] = None) -> None:
+                 sharder: Optional[ParameterSharder] = None, scaler: Optional[LossScaler] = None) -> None:
         config = config or ZeroConfig()
         check_optimizer_supported(optimizer, config)
         self.config = config
@@ -94,8 +94,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if config.stage == 3:
             self.groups = self._groups_of(sharder, trainable)
         else:
-            self.groups = [FlatGroup(ps, self.comm.world_size, self.comm.rank,
-                                     config.bucket_numel(ps[0].element_size())) for ps in trainable]
+            self.groups = [FlatGroup(ps, self.comm.world_size, self.comm.rank, config.bucket_numel(ps[0].element_size()),
+                                     master_dtype=config.master_dtype) for ps in trainable]
         if param_order is not None:
             param_order = {p: param_order.get(p, len(param_order)) for g in self.groups for p in g.params}
         self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order, listener=sharder)
@@ -112,7 +112,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": g["params"]} for g in optimizer.param_groups], optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
         self.state = self.inner.state  # type: ignore[assignment]
-        self._received: Optional[list[list[bool]]] = None
+        self.scaler = scaler
+        self._grads: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # (master piece, its gradient)
+        self._overflow = False
 
     def _trainable(self, optimizer: torch.optim.Optimizer) -> list[list[torch.nn.Parameter]]:
         """Trainable parameters by param group, dtype and device; every check passes before any moves."""
@@ -130,12 +132,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if p.requires_grad:
                     trainable.append(p)
             for params in _split_by_dtype_and_device(trainable):
-                if params[0].dtype not in _FULL_PRECISION:
-                    raise ValueError(
-                        f"trainable parameters of dtype {params[0].dtype} in param group {gi}: ZeRO stage "
-                        f"{self.config.stage} keeps them as the master weights, which needs float32 or float64. "
-                        "Keep the module in float32 (precision='32-true')."
-                    )
+                if not params[0].dtype.is_floating_point:
+                    raise ValueError(f"trainable parameters of dtype {params[0].dtype} in param group {gi}: only "
+                                     "floating-point parameters can be trained; set requires_grad=False on them.")
                 runs.append(params)
         return runs
 
@@ -156,22 +155,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ---- the step --------------------------------------------------------------------------
 
     def reduce_gradients(self) -> None:
-        """Average gradients across ranks and learn which parameters got one anywhere.
+        """Average gradients across ranks and make the master gradients: one per piece whose
+        parameter got a gradient on some rank, in the master's dtype, divided by the loss scale;
+        with a loss scaler, also learn whether any rank overflowed.
 
         Runs before gradient clipping and the step; idempotent until ``zero_grad``.
         """
-        if self._received is None:
-            self.reducer.reduce()
-            self._received = self.reducer.received_anywhere()
+        if self._grads is not None:
+            return
+        self.reducer.reduce()
+        received = self.reducer.received_anywhere()
+        self._grads = []
+        for gi, (g, tensors) in enumerate(zip(self.groups, self._pieces)):
+            for piece, master in zip(g.pieces, tensors):
+                if received[gi][piece.param]:
+                    grad = self.reducer.piece_grad(gi, piece)
+                    self._grads.append((master, grad.to(master.dtype)))  # a copy only for a wider master
+        self._overflow = False
+        if self.scaler is not None and self._grads:
+            grads = [grad for _, grad in self._grads]
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).to(torch.uint8).reshape(1)
+        elif self.scaler is not None:
+            bad = torch.zeros(1, dtype=torch.uint8, device=self.groups[0].device if self.groups else "cpu")
+        if self.scaler is not None:  # every rank takes part, holding gradients or not
+            self.comm.all_reduce(bad, op=dist.ReduceOp.MAX)
+            self._overflow = bool(bad.item())
 
     def piece_grads(self) -> list[torch.Tensor]:
-        """Averaged gradients of this rank's pieces whose parameter received a gradient."""
+        """The master gradients (see reduce_gradients), for clipping."""
         self.reduce_gradients()
-        assert self._received is not None
-        return [
-            self.reducer.piece_grad(gi, piece)
-            for gi, g in enumerate(self.groups) for piece in g.pieces if self._received[gi][piece.param]
-        ]
+        assert self._grads is not None
+        return [grad for _, grad in self._grads]
+
+    @property
+    def overflowed(self) -> bool:
+        """A non-finite gradient on some rank: the step is skipped (valid after reduce_gradients)."""
+        return self._overflow
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
@@ -180,13 +200,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
-        assert self._received is not None
-        for gi, (g, tensors) in enumerate(zip(self.groups, self._pieces)):
-            for piece, t in zip(g.pieces, tensors):
-                t.grad = self.reducer.piece_grad(gi, piece) if self._received[gi][piece.param] else None
+        assert self._grads is not None
+        if self._overflow:  # parameters and optimizer state stay as they are
+            self.scaler.update(overflow=True)
+            return loss
+        for tensors in self._pieces:
+            for t in tensors:
+                t.grad = None
+        for master, grad in self._grads:
+            master.grad = grad
         for user_group, inner_group in zip(self.param_groups, self.inner.param_groups):
             inner_group.update({k: v for k, v in user_group.items() if k != "params"})
         self.inner.step()
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        for g in self.groups:
+            g.write_back()
         self._all_gather_params()
         self.optim._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check this flag
         return loss
@@ -199,7 +228,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
-        self._received = None
+        self._grads = None
         for tensors in self._pieces:
             for t in tensors:
                 t.grad = None

@@ -120,7 +120,7 @@ def shard_module(module: nn.Module, config, comm: Optional[Collectives] = None,
     materialised on ``device`` one unit at a time (see [Note: init-time sharding]).
     """
     return ParameterSharder(module, comm or Collectives(), config.shard_modules, config.unit_min_params,
-                            config.param_persistence_threshold, config.prefetch, device)
+                            config.param_persistence_threshold, config.prefetch, device, config.master_dtype)
 
 
 def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], device: torch.device) -> None:
@@ -146,11 +146,12 @@ class ParameterSharder:
 
     def __init__(self, module: nn.Module, comm: Collectives, shard_modules: Sequence[Union[str, type]] = (),
                  min_unit_numel: int = 10_000_000, persist_numel: int = 100_000, prefetch: bool = True,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, master_dtype: Optional[torch.dtype] = torch.float32) -> None:
         self.module = module
         self.comm = comm
         self.prefetch = prefetch
         self._device = device
+        self._master_dtype = master_dtype
         self._owners: dict[nn.Parameter, list[nn.Module]] = {}
         for mod in module.modules():
             for p in mod.parameters(recurse=False):
@@ -188,7 +189,8 @@ class ParameterSharder:
             owners = list(dict.fromkeys(m for p in on_meta for m in self._owners[p]))
             _materialize(on_meta, owners, self._device or torch.device("cpu"))
         n, r = self.comm.world_size, self.comm.rank
-        return [FlatGroup(ps, n, r, resident=resident, broadcast_from=self.comm) for ps in _split(params)]
+        return [FlatGroup(ps, n, r, resident=resident, broadcast_from=self.comm,
+                          master_dtype=self._master_dtype if ps[0].requires_grad else None) for ps in _split(params)]
 
     @property
     def all_units(self) -> list[Unit]:
