@@ -215,21 +215,15 @@ def test_frozen_duplicate_also_rejected():
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("stage", (1, 2))
-def test_trainable_low_precision_rejected(dtype, stage):
-    params = _params((4, 3), dtype=dtype)
-    with pytest.raises(ValueError, match=rf"dtype {re.escape(str(dtype))} in param group 0") as info:
-        _zero(torch.optim.AdamW(params, lr=0.01), ZeroConfig(stage=stage))
-    msg = str(info.value)
-    assert f"ZeRO stage {stage}" in msg
-    assert "float32 or float64" in msg
-    assert "precision='32-true'" in msg  # tells what to do
-
-
-def test_low_precision_rejected_in_later_group_names_that_group():
-    fp32 = _params((3,))
-    bf16 = _params((3,), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"dtype torch.bfloat16 in param group 1"):
-        _zero(torch.optim.SGD([{"params": fp32}, {"params": bf16}], lr=0.1))
+def test_low_precision_parameters_get_an_fp32_master_unless_told_not_to(dtype, stage):
+    params = _params((4, 3), (5,), dtype=dtype)
+    opt = _zero(torch.optim.AdamW(params, lr=0.01), ZeroConfig(stage=stage))
+    (group,) = opt.groups
+    assert group.dtype == dtype and group.master_shard is not None and group.master_shard.dtype == torch.float32
+    torch.testing.assert_close(group.master_shard[:12].to(dtype), params[0].detach().reshape(-1))
+    true_half = _zero(torch.optim.AdamW(_params((4, 3), dtype=dtype), lr=0.01),
+                      ZeroConfig(stage=stage, master_weights=False))
+    assert true_half.groups[0].master_shard is None
 
 
 def test_frozen_low_precision_parameters_allowed():

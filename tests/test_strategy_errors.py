@@ -40,10 +40,25 @@ def test_bad_arguments(kwargs, match):
         ZeroStrategy(**kwargs)
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-true"])  # 16-mixed is bf16 on CPU
-def test_unsupported_precision_is_named(precision):
-    with pytest.raises(ValueError, match=rf"precision='{precision}'.*supported: 32-true"):
-        _trainer(strategy=ZeroStrategy(), precision=precision)
+def test_unsupported_precision_is_named():
+    with pytest.raises(ValueError, match=r"precision='64-true' \(DoublePrecision\); supported: 32-true, bf16-mixed"):
+        _trainer(strategy=ZeroStrategy(), precision="64-true")
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
+def test_supported_precision_gets_zero_precision(precision):
+    plugin = _trainer(strategy=ZeroStrategy(), precision=precision).strategy.precision_plugin
+    assert type(plugin).__name__ == "ZeroPrecision" and plugin.precision == precision
+    assert plugin.master_weights == precision.endswith("-mixed")
+
+
+def test_bad_loss_scaling_knobs():
+    from zero_strategy import ZeroPrecision
+
+    with pytest.raises(ValueError, match="hysteresis >= 1.*hysteresis=0"):
+        ZeroPrecision("16-mixed", hysteresis=0)
+    with pytest.raises(ValueError, match="precision='8-mixed' is not supported.*bf16-mixed"):
+        ZeroPrecision("8-mixed")
 
 
 def test_cuda_where_there_is_none():

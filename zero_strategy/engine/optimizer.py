@@ -276,7 +276,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this engine keeps alive, by kind (the inner optimizer's state aside)."""
-        return {"grads": self.reducer.held_tensors(), "master_params": []}  # see [Note: master weights]
+        return {"grads": self.reducer.held_tensors(),  # fp32 weights are their own master: no copy
+                "master_params": [g.master_shard for g in self.groups if g.master_shard is not None]}
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
