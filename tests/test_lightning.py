@@ -29,8 +29,8 @@ def launch(out: Path, strategy: str, *extra: str) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def ddp_run(tmp_root: str, *extra: str) -> tuple:
-    return tuple(launch(Path(tmp_root) / ("ddp" + "_".join(extra)), "ddp", *extra))
+def ddp_run(tmp_root: str, *extra: str, strategy: str = "ddp") -> tuple:
+    return tuple(launch(Path(tmp_root) / (strategy + "_".join(extra)), strategy, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +119,20 @@ def test_mixed_precision_follows_fp32_ddp(tmp_path, tmp_root, strategy, precisio
         assert len(z["losses"]) == len(d["losses"]) == 20
         torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(d["losses"]), rtol=2e-2, atol=0)
         assert z["params"]["head.weight"].dtype == want_dtype
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", STAGES)
+def test_clipping_by_value_matches_ddp(tmp_path, tmp_root, strategy):
+    extra = ("--clip", "0.01", "--clip-algorithm", "value")
+    clipped = ddp_run(tmp_root, *extra)
+    assert clipped[0]["losses"][2:] != pytest.approx(ddp_run(tmp_root)[0]["losses"][2:], rel=1e-3)
+    assert_same_run(launch(tmp_path, strategy, *extra), clipped)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", STAGES)
+def test_manual_optimization_with_two_optimizers_matches_ddp(tmp_path, tmp_root, strategy):
+    # GAN style: manual_backward and opt.step() for each of two optimizers over disjoint parameters
+    reference = ddp_run(tmp_root, "--manual", strategy="ddp_find_unused_parameters_true")
+    assert_same_run(launch(tmp_path, strategy, "--manual"), reference)

@@ -79,6 +79,40 @@ class Classifier(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class TwoOptimizers(Classifier):
+    """Manual optimization with two optimizers over disjoint parameters, GAN style: the head learns
+    from detached features, then the body learns through the updated head."""
+
+    def __init__(self, build_in_configure_model: bool = False) -> None:
+        super().__init__(build_in_configure_model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_body, opt_head = self.optimizers()
+        features = self.body(self.embed(x))
+        loss_head = F.cross_entropy(self.head(features.detach()), y)
+        opt_head.zero_grad()
+        self.manual_backward(loss_head)
+        opt_head.step()
+        loss = F.cross_entropy(self.head(features), y)
+        opt_body.zero_grad()
+        self.manual_backward(loss)
+        opt_body.step()
+        self.losses.append(loss_head.item())
+        self.losses.append(loss.item())
+        self.lrs.append(opt_body.param_groups[0]["lr"])
+        self.log("train_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        opt_body = torch.optim.Adam([p for p in self.body.parameters()], lr=0.01)
+        opt_head = torch.optim.SGD(self.head.parameters(), lr=0.05, momentum=0.9)
+        return [opt_body, opt_head]
+
+    def on_train_batch_end(self, *args):
+        self.trainer.optimizers[0].param_groups[0]["lr"] *= 0.9  # a schedule, stepped by hand
+
+
 def loaders():
     train = DataLoader(dataset(8 * 2 * 12 * 4, 1), batch_size=8)  # enough batches for 12 steps of 4
     val = DataLoader(dataset(64, 2), batch_size=16)
@@ -104,7 +138,8 @@ def trainer(args, max_steps: int) -> L.Trainer:
         **precision(args),
         strategy=strategy(args.strategy), accelerator="cpu", devices=2, max_steps=max_steps, val_check_interval=4,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=args.clip or None, accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip or None, gradient_clip_algorithm=args.clip_algorithm,
+        accumulate_grad_batches=args.accumulate,
     )
 
 
@@ -117,18 +152,21 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--configure-model", action="store_true", help="build the layers in configure_model")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
+    parser.add_argument("--clip-algorithm", default="norm", choices=["norm", "value"])
     parser.add_argument("--stop-at", type=int, default=0, help="fit to this step, save, resume in a new Trainer")
     args = parser.parse_args()
 
     L.seed_everything(0)
-    model = Classifier(args.configure_model)
+    model_class = TwoOptimizers if args.manual else Classifier
+    model = model_class(args.configure_model)
     train, val = loaders()
     if args.stop_at:
         first = trainer(args, args.stop_at)
         first.fit(model, train, val)
         ckpt = os.path.join(args.out, "mid.ckpt")
         first.save_checkpoint(ckpt)
-        model = Classifier(args.configure_model)  # fresh weights: everything must come from the checkpoint
+        model = model_class(args.configure_model)  # fresh weights: everything must come from the checkpoint
         model.losses = first.lightning_module.losses
         model.lrs = first.lightning_module.lrs
         fit_trainer = trainer(args, args.steps)

@@ -12,6 +12,7 @@ monitor see and change the hyperparameters that the inner optimizer uses at ever
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -73,6 +74,21 @@ def _split_by_dtype_and_device(params: list[torch.nn.Parameter]) -> list[list[to
     return list(runs.values())
 
 
+@dataclass
+class _StepState:
+    """What reduce_gradients learnt for the coming step.
+
+    [Note: state behind LightningOptimizer]
+    Lightning wraps an optimizer in a LightningOptimizer that copies the optimizer's ``__dict__``
+    and subclasses its class, so a method called through the wrapper that *assigns* an attribute
+    sets it on the wrapper alone. Per-step state therefore lives in this object, shared by both
+    dicts and only ever mutated.
+    """
+
+    grads: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # (master piece, its gradient)
+    overflow: bool = False
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1/2 wrapper around a torch optimizer, usable in a plain torch.distributed loop.
 
@@ -113,8 +129,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
         self.state = self.inner.state  # type: ignore[assignment]
         self.scaler = scaler
-        self._grads: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # (master piece, its gradient)
-        self._overflow = False
+        self._step = _StepState()
 
     def _trainable(self, optimizer: torch.optim.Optimizer) -> list[list[torch.nn.Parameter]]:
         """Trainable parameters by param group, dtype and device; every check passes before any moves."""
@@ -161,37 +176,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Runs before gradient clipping and the step; idempotent until ``zero_grad``.
         """
-        if self._grads is not None:
+        if self._step.grads is not None:
             return
         self.reducer.reduce()
         received = self.reducer.received_anywhere()
-        self._grads = []
+        self._step.grads = []
         for gi, (g, tensors) in enumerate(zip(self.groups, self._pieces)):
             for piece, master in zip(g.pieces, tensors):
                 if received[gi][piece.param]:
                     grad = self.reducer.piece_grad(gi, piece)
-                    self._grads.append((master, grad.to(master.dtype)))  # a copy only for a wider master
-        self._overflow = False
-        if self.scaler is not None and self._grads:
-            grads = [grad for _, grad in self._grads]
+                    self._step.grads.append((master, grad.to(master.dtype)))  # a copy only for a wider master
+        self._step.overflow = False
+        if self.scaler is not None and self._step.grads:
+            grads = [grad for _, grad in self._step.grads]
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
             bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).to(torch.uint8).reshape(1)
         elif self.scaler is not None:
             bad = torch.zeros(1, dtype=torch.uint8, device=self.groups[0].device if self.groups else "cpu")
         if self.scaler is not None:  # every rank takes part, holding gradients or not
             self.comm.all_reduce(bad, op=dist.ReduceOp.MAX)
-            self._overflow = bool(bad.item())
+            self._step.overflow = bool(bad.item())
 
     def piece_grads(self) -> list[torch.Tensor]:
         """The master gradients (see reduce_gradients), for clipping."""
         self.reduce_gradients()
-        assert self._grads is not None
-        return [grad for _, grad in self._grads]
+        assert self._step.grads is not None
+        return [grad for _, grad in self._step.grads]
 
     @property
     def overflowed(self) -> bool:
         """A non-finite gradient on some rank: the step is skipped (valid after reduce_gradients)."""
-        return self._overflow
+        return self._step.overflow
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
@@ -200,14 +215,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
-        assert self._grads is not None
-        if self._overflow:  # parameters and optimizer state stay as they are
+        assert self._step.grads is not None
+        if self._step.overflow:  # parameters and optimizer state stay as they are
             self.scaler.update(overflow=True)
             return loss
         for tensors in self._pieces:
             for t in tensors:
                 t.grad = None
-        for master, grad in self._grads:
+        for master, grad in self._step.grads:
             master.grad = grad
         for user_group, inner_group in zip(self.param_groups, self.inner.param_groups):
             inner_group.update({k: v for k, v in user_group.items() if k != "params"})
@@ -228,7 +243,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
-        self._grads = None
+        self._step.grads = None
         for tensors in self._pieces:
             for t in tensors:
                 t.grad = None
