@@ -119,6 +119,8 @@ def test_mixed_precision_follows_fp32_ddp(tmp_path, tmp_root, strategy, precisio
         assert len(z["losses"]) == len(d["losses"]) == 20
         torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(d["losses"]), rtol=2e-2, atol=0)
         assert z["params"]["head.weight"].dtype == want_dtype
+    if precision == "16-mixed":  # the loss scale and the skipped steps are logged
+        assert zero[0]["metrics"]["loss_scale"] == 256.0 and zero[0]["metrics"]["skipped_steps"] == 0.0
 
 
 @pytest.mark.timeout(300)

@@ -98,6 +98,13 @@ class ZeroPrecision(Precision):
         self._after_closure(model, optimizer)
         return closure_result
 
+    def optimizer_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, model, closure, **kwargs)
+        if self.scaler is not None and isinstance(model, pl.LightningModule) and model._trainer is not None:
+            model.log("loss_scale", self.scaler.scale, rank_zero_only=True)
+            model.log("skipped_steps", float(self.scaler.skipped_steps), rank_zero_only=True)
+        return result
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         engine = _engine(optimizer)
         if engine is None:

@@ -174,6 +174,7 @@ def main() -> None:
     else:
         fit_trainer = trainer(args, args.steps)
         fit_trainer.fit(model, train, val)
+    fit_metrics = {k: float(v) for k, v in fit_trainer.callback_metrics.items()}  # before validate resets them
     memory = fit_trainer.strategy.memory_stats() if hasattr(fit_trainer.strategy, "memory_stats") else {}
     validated = fit_trainer.validate(model, val, verbose=False)
     tested = fit_trainer.test(model, val, verbose=False)
@@ -190,7 +191,8 @@ def main() -> None:
     torch.save({
         "losses": model.losses, "lrs": model.lrs, "validate": validated, "test": tested,
         "predict": torch.cat(predicted), "memory": memory, "collectives": collectives,
-        "built_on": model.built_on, "world_size": fit_trainer.world_size,
+        "built_on": model.built_on,
+        "metrics": fit_metrics, "world_size": fit_trainer.world_size,
         "params": strategy.lightning_module_state_dict(),  # whole at every stage (a collective)
     }, os.path.join(args.out, f"rank{rank}.pt"))
     # Leaving gloo's threads to interpreter shutdown sometimes aborts the process
