@@ -115,7 +115,7 @@ def test_default_run_is_the_documented_one(tmp_path):
     assert cfg.data._target_ == "zero_strategy.data.StdlibDataModule"
     expected_devices = torch.cuda.device_count() if torch.cuda.is_available() else 2
     assert trainer.num_devices == expected_devices
-    assert cfg.trainer.max_steps <= 300  # the default run stays short (README: about a minute on 2 cores)
+    assert cfg.trainer.max_steps <= 300  # the default run stays short (README: ~1.5 minutes on 2 cores)
     assert trainer.precision == "32-true"
 
 
