@@ -4,7 +4,7 @@ BertConfig with random init) trained with ZeRO-2, AdamW at lr 1e-4, batch 8, on 
     python examples/bert_classifier/train.py                            # tiny BERT, ~1 min on 2 CPU cores
     python examples/bert_classifier/train.py --stage 1 --max-steps 1000
     python examples/bert_classifier/train.py --accelerator cuda --devices 8 --hidden-size 768 \\
-        --layers 12 --heads 12 --seq-len 128 --precision bf16-mixed  # once mixed precision lands
+        --layers 12 --heads 12 --seq-len 128 --precision bf16-mixed
 
 No download: the task is telling 64-byte windows of the Python standard library's source from
 windows in which a quarter of the bytes were replaced by random characters (labels: 1 clean,
@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, default=2, help="ZeRO stage (1 or 2)")
     parser.add_argument("--precision", default="32-true",
-                        help="Lightning precision; bf16-mixed / 16-mixed work once ZeroStrategy supports them")
+                        help="Lightning precision: 32-true, bf16-mixed or 16-mixed")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=300)

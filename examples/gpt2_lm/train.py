@@ -7,8 +7,7 @@ Python standard library's own source code.
     python examples/gpt2_lm/train.py --accelerator cuda --devices 8 --n-embd 768 --layers 12 \\
         --heads 12 --seq-len 1024 --batch-size 8                        # GPT-2 small's shape
 
-No download (bytes are the tokens, so no tokenizer). ZeRO-3 joins this example when the strategy
-supports stage 3. Needs `pip install "zero-strategy[models]"`.
+No download (bytes are the tokens, so no tokenizer). Needs `pip install "zero-strategy[models]"`.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from zero_strategy.models import CausalLMModule, gpt2_lm_head, warmup_cosine
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", type=int, default=2, help="ZeRO stage (1 or 2; 3 when it lands)")
+    parser.add_argument("--stage", type=int, default=2, help="ZeRO stage: 1, 2, or 3 (parameters below 100,000 elements stay whole)")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
