@@ -133,7 +133,7 @@ def test_clipping_by_value_matches_ddp(tmp_path, tmp_root, strategy):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", STAGES)
+@pytest.mark.parametrize("strategy", [*STAGES, "zero_stage_3"])  # zero_stage_3: one resident group here
 def test_manual_optimization_with_two_optimizers_matches_ddp(tmp_path, tmp_root, strategy):
     # GAN style: manual_backward and opt.step() for each of two optimizers over disjoint parameters
     reference = ddp_run(tmp_root, "--manual", strategy="ddp_find_unused_parameters_true")

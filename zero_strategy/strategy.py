@@ -190,7 +190,8 @@ class ZeroStrategy(ParallelStrategy):
             for buffer in self.model.buffers():  # parameters are broadcast unit by unit while sharding
                 if not buffer.is_meta:
                     dist.broadcast(buffer, src=0)
-            self._sharder = shard_module(self.model, self.engine_config, Collectives(), self.root_device)
+            self._sharder = shard_module(self.model, self.engine_config, Collectives(), self.root_device,
+                                         self.optimizers)
 
     @property
     def engine_config(self) -> ZeroConfig:

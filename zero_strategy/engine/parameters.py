@@ -58,10 +58,12 @@ class Unit:
         return bool(self.groups) and self.groups[0].gathered
 
 
-def _split(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+def _split(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
+    """Flat groups of a unit: by dtype, device, requires_grad, and which optimizer steps them (each
+    optimizer's gradient reducer then hooks only its own parameters)."""
     runs: dict[tuple, list] = {}
     for p in params:
-        runs.setdefault((p.dtype, p.device, p.requires_grad), []).append(p)
+        runs.setdefault((p.dtype, p.device, p.requires_grad, owner_of.get(p, -1)), []).append(p)
     return list(runs.values())
 
 
@@ -113,14 +115,18 @@ def plan_units(module: nn.Module, shard_modules: Sequence[Union[str, type]], min
 
 
 def shard_module(module: nn.Module, config, comm: Optional[Collectives] = None,
-                 device: Optional[torch.device] = None) -> "ParameterSharder":
+                 device: Optional[torch.device] = None,
+                 optimizers: Sequence[torch.optim.Optimizer] = ()) -> "ParameterSharder":
     """Shard ``module``'s parameters as ``config`` (a ZeroConfig with stage=3) says.
 
     Rank 0's values are broadcast unit by unit before sharding. Parameters on the meta device are
-    materialised on ``device`` one unit at a time (see [Note: init-time sharding]).
+    materialised on ``device`` one unit at a time (see [Note: init-time sharding]). Pass the
+    ``optimizers`` that will step the module when there are several, created before sharding.
     """
+    owner_of = {p: i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
     return ParameterSharder(module, comm or Collectives(), config.shard_modules, config.unit_min_params,
-                            config.param_persistence_threshold, config.prefetch, device, config.master_dtype)
+                            config.param_persistence_threshold, config.prefetch, device, config.master_dtype,
+                            owner_of)
 
 
 def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], device: torch.device) -> None:
@@ -146,8 +152,10 @@ class ParameterSharder:
 
     def __init__(self, module: nn.Module, comm: Collectives, shard_modules: Sequence[Union[str, type]] = (),
                  min_unit_numel: int = 10_000_000, persist_numel: int = 100_000, prefetch: bool = True,
-                 device: Optional[torch.device] = None, master_dtype: Optional[torch.dtype] = torch.float32) -> None:
+                 device: Optional[torch.device] = None, master_dtype: Optional[torch.dtype] = torch.float32,
+                 optimizer_of: Optional[dict[nn.Parameter, int]] = None) -> None:
         self.module = module
+        self._optimizer_of = optimizer_of or {}
         self.comm = comm
         self.prefetch = prefetch
         self._device = device
@@ -190,7 +198,8 @@ class ParameterSharder:
             _materialize(on_meta, owners, self._device or torch.device("cpu"))
         n, r = self.comm.world_size, self.comm.rank
         return [FlatGroup(ps, n, r, resident=resident, broadcast_from=self.comm,
-                          master_dtype=self._master_dtype if ps[0].requires_grad else None) for ps in _split(params)]
+                          master_dtype=self._master_dtype if ps[0].requires_grad else None)
+                for ps in _split(params, self._optimizer_of)]
 
     @property
     def all_units(self) -> list[Unit]:
