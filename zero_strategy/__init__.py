@@ -1,7 +1,7 @@
 """ZeRO sharded training for PyTorch Lightning.
 
-Importing the package registers ``"zero_stage_1"`` and ``"zero_stage_2"`` with Lightning's
-StrategyRegistry, so ``Trainer(strategy="zero_stage_2")`` works.
+Importing the package registers ``"zero_stage_1"``, ``"zero_stage_2"`` and ``"zero_stage_3"``
+with Lightning's StrategyRegistry, so ``Trainer(strategy="zero_stage_2")`` works.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -9,11 +9,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 from .config import ZeroConfig
 from .engine import ZeroOptimizer
 from .engine.parameters import gathered_parameters
-from .memory import estimate_memory, memory_stats
+from .memory import count_parameters, estimate_memory, memory_stats
 from .precision import ZeroPrecision
 from .strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ZeroConfig", "ZeroOptimizer", "ZeroPrecision", "ZeroStrategy", "estimate_memory", "gathered_parameters",
+__all__ = ["ZeroConfig", "ZeroOptimizer", "ZeroPrecision", "ZeroStrategy", "count_parameters", "estimate_memory", "gathered_parameters",
            "memory_stats"]

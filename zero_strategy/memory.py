@@ -74,6 +74,15 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     return out
 
 
+def count_parameters(module: torch.nn.Module) -> int:
+    """Elements of ``module``'s parameters, each once, sharded ones (stage 3) at their full size."""
+    total = 0
+    for p in dict.fromkeys(module.parameters()):
+        sharder = getattr(p, "_zero_sharder", None)
+        total += sharder.full_numel[p] if sharder is not None else p.numel()
+    return total
+
+
 class _StorageCounter:
     """Bytes of distinct storages: views of one buffer are counted once."""
 

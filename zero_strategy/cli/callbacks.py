@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ..memory import KEYS, estimate_memory, memory_stats, normalize_precision
+from ..memory import KEYS, count_parameters, estimate_memory, memory_stats, normalize_precision
 from .report import print_memory_table
 
 MEMORY_COLUMNS = (*KEYS, "total")
@@ -100,7 +100,7 @@ class MemoryTable(Callback):
         gathered = strategy.all_gather(local)  # (world, columns); all ranks call this together
         rows = gathered.reshape(-1, len(MEMORY_COLUMNS)).cpu().tolist()
         self.measured = [{k: int(v) for k, v in zip(MEMORY_COLUMNS, row)} for row in rows]
-        self.num_params = sum(p.numel() for p in pl_module.parameters())  # a tied weight counts once
+        self.num_params = count_parameters(pl_module)  # a tied weight once, a sharded one whole
         self.stage = _zero_stage(strategy)
         self.formula = estimate_memory(self.num_params, stage=self.stage, world_size=trainer.world_size,
                                        precision=normalize_precision(trainer.precision),

@@ -174,6 +174,7 @@ class ParameterSharder:
                              "hold buffers but no parameters in __init__, not in configure_model.")
         self._unit_of_group = {id(g): u for u in self.all_units for g in u.groups}
         self.unit_of = {p: u for u in self.all_units for g in u.groups for p in g.params}
+        self.full_numel = {p: n for g in self.groups for p, n in zip(g.params, g.layout.numels)}
         self._next_of: dict[int, Unit] = {}  # unit id -> the unit that ran after it last time
         self._prev_of: dict[int, Unit] = {}
         self._last: Optional[Unit] = None
