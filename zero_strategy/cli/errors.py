@@ -16,7 +16,7 @@ from .configs import GROUPS, config_dir, group_options
 
 # what to say about an option users ask for that does not exist yet
 GROUP_NOTES = {
-    "strategy": "ZeRO stage 3 and the CPU-offload presets are added when ZeroStrategy supports them.",
+    "strategy": "The CPU-offload presets are added when ZeroStrategy supports offload.",
     "model": "model=gpt2 and model=bert need `pip install \"zero-strategy[models]\"` (transformers).",
 }
 # flags of Hydra's command line that are followed by a value, and so are not overrides
