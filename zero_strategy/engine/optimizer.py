@@ -4,7 +4,8 @@
 Each rank updates only the pieces it owns (see [Note: pieces]). When the working parameters are
 fp32 (or fp64), the owned pieces *are* the master weights: the inner optimizer updates the rank's
 slice of the flat parameter buffer in place and one all-gather per segment brings every rank's
-slices back to everyone, so no second fp32 copy exists. The user's optimizer object is kept: its
+slices back to everyone, so no second fp32 copy exists. bf16/fp16 parameters get an fp32 copy
+of the owned shard instead (see [Note: master copies] in flat.py). The user's optimizer object is kept: its
 ``param_groups`` list is shared with this one, so LR schedulers built on it and Lightning's LR
 monitor see and change the hyperparameters that the inner optimizer uses at every step.
 """
