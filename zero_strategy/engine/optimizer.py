@@ -113,6 +113,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             self.groups = [FlatGroup(ps, self.comm.world_size, self.comm.rank, config.bucket_numel(ps[0].element_size()),
                                      master_dtype=config.master_dtype) for ps in trainable]
+        if param_order is None and sharder is not None:  # the module's order: see [Note: launch order]
+            param_order = {p: i for i, p in enumerate(sharder.module.parameters())}
         if param_order is not None:
             param_order = {p: param_order.get(p, len(param_order)) for g in self.groups for p in g.params}
         self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order, listener=sharder)
