@@ -55,6 +55,31 @@ class ZeroConfig:
     guess silently changes the update (the optimizer sees a flat shard, not the parameter's
     shape), so this is opt-in, as with DeepSpeed's ``zero_allow_untested_optimizer``."""
 
+    offload_optimizer: bool = False
+    """Keep the fp32 master weights and the optimizer state in host memory (pinned on CUDA) and run
+    the step on the host; gradients go to the host as their buckets are reduced. Stages 1-3."""
+
+    offload_params: bool = False
+    """Stage 3: keep each rank's parameter shards in host memory; a unit's shard goes to the device
+    only for its all-gather."""
+
+    offload_dir: Optional[str] = None
+    """With offload_optimizer: keep the optimizer state in files in this folder (an NVMe mount, say)
+    instead of host memory, and step it in tiles of ``offload_tile_mb`` (ZeRO-Infinity)."""
+
+    offload_tile_mb: float = 64.0
+    """With offload_dir: MiB of fp32 master weights stepped per tile; host memory holds a few tiles."""
+
+    activation_checkpointing: tuple[Union[str, type], ...] = ()
+    """Module classes (or class names) whose forward is recomputed in backward instead of keeping
+    its activations (non-reentrant), e.g. ("Block",)."""
+
+    activation_checkpointing_interval: int = 1
+    """Checkpoint every n-th matching module (1: all of them)."""
+
+    offload_activations: bool = False
+    """Keep the activations saved for backward in host memory (pinned on CUDA) until backward."""
+
     def __post_init__(self) -> None:
         if type(self.stage) is not int or self.stage not in SUPPORTED_STAGES:
             raise ValueError(
@@ -78,6 +103,35 @@ class ZeroConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name}={value!r} must be a non-negative integer (a number of parameters).")
+
+        self._check_memory_options()
+
+    def _check_memory_options(self) -> None:
+        for name in ("offload_optimizer", "offload_params", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(f"offload_params=True needs stage=3 (got stage={self.stage}): only stage 3 shards "
+                             "parameters. Use stage=3, or offload_optimizer=True at stage 1 or 2.")
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, str) or not self.offload_dir:
+                raise ValueError(f"offload_dir={self.offload_dir!r} must be a folder path (a string).")
+            if not self.offload_optimizer:
+                raise ValueError(f"offload_dir={self.offload_dir!r} keeps optimizer state on disk, which needs "
+                                 "offload_optimizer=True; set it, or drop offload_dir.")
+        tile = self.offload_tile_mb
+        if isinstance(tile, bool) or not isinstance(tile, (int, float)) or not math.isfinite(tile) or tile <= 0:
+            raise ValueError(f"offload_tile_mb={tile!r} must be a positive, finite number of MiB.")
+        if isinstance(self.activation_checkpointing, list):
+            object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
+        if isinstance(self.activation_checkpointing, (str, type)) or not all(
+                isinstance(m, (str, type)) for m in self.activation_checkpointing):
+            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} must be a tuple of module "
+                             "classes or class names, e.g. ('Block',).")
+        interval = self.activation_checkpointing_interval
+        if type(interval) is not int or interval < 1:
+            raise ValueError(f"activation_checkpointing_interval={interval!r} must be a positive integer "
+                             "(1 checkpoints every matching module, 2 every second one).")
 
     @property
     def master_dtype(self) -> Optional[torch.dtype]:

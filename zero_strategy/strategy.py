@@ -60,6 +60,13 @@ class ZeroStrategy(ParallelStrategy):
         param_persistence_threshold: int = 100_000,
         prefetch: bool = True,
         allow_untested_optimizer: bool = False,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        offload_dir: Optional[str] = None,
+        offload_tile_mb: float = 64.0,
+        activation_checkpointing: Sequence[Union[str, type]] = (),
+        activation_checkpointing_interval: int = 1,
+        offload_activations: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -73,6 +80,10 @@ class ZeroStrategy(ParallelStrategy):
             stage=stage, bucket_cap_mb=bucket_cap_mb, shard_modules=tuple(shard_modules),
             unit_min_params=unit_min_params, param_persistence_threshold=param_persistence_threshold,
             prefetch=prefetch, allow_untested_optimizer=allow_untested_optimizer,
+            offload_optimizer=offload_optimizer, offload_params=offload_params, offload_dir=offload_dir,
+            offload_tile_mb=offload_tile_mb, activation_checkpointing=tuple(activation_checkpointing),
+            activation_checkpointing_interval=activation_checkpointing_interval,
+            offload_activations=offload_activations,
         )
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}; 'popen' (the default) "
