@@ -175,6 +175,12 @@ class ZeroStrategy(ParallelStrategy):
         assert self.model is not None
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self.config.activation_checkpointing:  # instance forwards only: classes and state_dict keys stay
+            from .activation import apply_activation_checkpointing
+
+            apply_activation_checkpointing(self.model, self.config.activation_checkpointing,
+                                           self.config.activation_checkpointing_interval,
+                                           offload=self.config.offload_activations)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
