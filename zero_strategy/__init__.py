@@ -6,6 +6,7 @@ with Lightning's StrategyRegistry, so ``Trainer(strategy="zero_stage_2")`` works
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .checkpoint import consolidate_checkpoint
 from .config import ZeroConfig
 from .engine import ZeroOptimizer
 from .engine.parameters import gathered_parameters
@@ -15,5 +16,5 @@ from .strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ZeroConfig", "ZeroOptimizer", "ZeroPrecision", "ZeroStrategy", "count_parameters", "estimate_memory", "gathered_parameters",
-           "memory_stats"]
+__all__ = ["ZeroConfig", "ZeroOptimizer", "ZeroPrecision", "ZeroStrategy", "consolidate_checkpoint", "count_parameters",
+           "estimate_memory", "gathered_parameters", "memory_stats"]

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -31,12 +32,17 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from .checkpoint import (CheckpointError, CheckpointReader, is_sharded_checkpoint, load_model, load_optimizers,
+                         save_sharded)
+from .checkpoint.sharded import flat_groups
 from .config import ZeroConfig
 from .engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_STATE_DICT_TYPES = ("sharded", "full")
+_SHARDED = "_zero_sharded_checkpoint"  # a loaded checkpoint's reader, for the load hooks below
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -75,6 +81,7 @@ class ZeroStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        state_dict_type: Literal["sharded", "full"] = "sharded",
     ) -> None:
         self.config = ZeroConfig(
             stage=stage, bucket_cap_mb=bucket_cap_mb, shard_modules=tuple(shard_modules),
@@ -85,6 +92,11 @@ class ZeroStrategy(ParallelStrategy):
             activation_checkpointing_interval=activation_checkpointing_interval,
             offload_activations=offload_activations,
         )
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not one of {_STATE_DICT_TYPES}: 'sharded' (the "
+                             "default) saves a checkpoint directory, each rank writing what it owns; 'full' gathers "
+                             "the whole state and rank 0 saves one file.")
+        self.state_dict_type = state_dict_type
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}; 'popen' (the default) "
                              "re-runs your script once per device, as DDP does.")
@@ -266,18 +278,76 @@ class ZeroStrategy(ParallelStrategy):
         finally:
             self._sharder.release_root()
 
+    # ---- checkpoints: sharded directories (see [Note: checkpoint layout]) or one full file ------
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full state dict (on every rank; a collective at stage 3, gathered unit by unit)."""
+        """Empty for sharded checkpoints (``save_checkpoint`` takes the weights from the engine, each rank
+        its own pieces); else the full state dict, on every rank. Use ``full_state_dict()`` for that."""
+        if self.state_dict_type == "sharded":
+            return {}
+        return self.full_state_dict()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's whole state dict, on every rank (a collective at stage 3, gathered unit by unit)."""
         assert self.lightning_module is not None
         if self._sharder is None:
             return super().lightning_module_state_dict()
         return self._sharder.full_state_dict()
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self.state_dict_type == "sharded":
+            return {}  # saved by save_checkpoint, each rank its own pieces
+        return super().optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Sharded: every rank writes its pieces into the directory ``filepath``, atomically. Full: rank 0
+        writes one file through the CheckpointIO plugin."""
+        if self.state_dict_type == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"storage_options={storage_options!r} is not supported by sharded checkpoints, which are "
+                            "written by the strategy, not a CheckpointIO plugin; use state_dict_type='full' for it.")
+        assert self.lightning_module is not None
+        save_sharded(filepath, checkpoint, self.lightning_module, self._zero_optimizers, self._sharder, Collectives(),
+                     self.config.stage)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded directory (any world size and stage) or a regular file, never unpickling arbitrary
+        objects unless ``weights_only=False`` is passed for a file."""
+        if not is_sharded_checkpoint(checkpoint_path) and Path(checkpoint_path).is_file():
+            return super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
+        reader = CheckpointReader(checkpoint_path)  # raises, naming what is wrong, for anything else
+        checkpoint = reader.trainer_state()
+        saved = checkpoint.pop("zero_checkpoint", None)
+        if saved is None:
+            raise CheckpointError(f"{checkpoint_path} has no zero_checkpoint entry in its trainer state: it was not "
+                                  "written by ZeroStrategy.")
+        checkpoint["state_dict"] = {}  # loaded from the rank files by load_model_state_dict
+        if saved["optimizers"] is not None:
+            checkpoint["optimizer_states"] = [{} for _ in saved["optimizers"]]
+        checkpoint[_SHARDED] = (reader, saved)
+        return checkpoint
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        if _SHARDED in checkpoint:
+            reader, saved = checkpoint[_SHARDED]
+            return load_model(reader, saved, self.lightning_module, flat_groups(self._zero_optimizers, self._sharder),
+                              strict)
         if self._sharder is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         self._sharder.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if _SHARDED in checkpoint:
+            reader, saved = checkpoint[_SHARDED]
+            assert self.lightning_module is not None
+            return load_optimizers(reader, saved, self.lightning_module, self._zero_optimizers)
+        return super().load_optimizer_state_dict(checkpoint)
+
+    @property
+    def _zero_optimizers(self) -> list[ZeroOptimizer]:
+        return [opt for opt in self.optimizers if isinstance(opt, ZeroOptimizer)]
 
     def memory_stats(self) -> dict[str, int]:
         """This rank's bytes in params, grads, optimizer_states and master_params (and total)."""

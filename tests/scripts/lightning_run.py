@@ -193,7 +193,9 @@ def main() -> None:
         "predict": torch.cat(predicted), "memory": memory, "collectives": collectives,
         "built_on": model.built_on,
         "metrics": fit_metrics, "world_size": fit_trainer.world_size,
-        "params": strategy.lightning_module_state_dict(),  # whole at every stage (a collective)
+        # whole at every stage (a collective); ZeroStrategy's lightning_module_state_dict is empty: see
+        # [Note: checkpoint layout]
+        "params": strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else strategy.lightning_module_state_dict(),
     }, os.path.join(args.out, f"rank{rank}.pt"))
     # Leaving gloo's threads to interpreter shutdown sometimes aborts the process
     # ("terminate called without an active exception"), with DDP as with ZeRO.

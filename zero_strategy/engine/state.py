@@ -97,8 +97,24 @@ def _number(value: float, kind: str, dtype: str) -> Any:
     return int(value) if kind == "int" else value
 
 
+def _is_elementwise(value: Any) -> bool:
+    return (isinstance(value, torch.Tensor) or hasattr(value, "read_range")) and value.dim() > 0
+
+
+def _piece_of(value: Any, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of a flattened state tensor, or of one still on disk: an object with
+    ``read_range(start, end)``, ``dim()``, ``numel()`` and ``shape`` (a sharded checkpoint's, read a
+    piece at a time)."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1)[start:end].clone()
+    return value.read_range(start, end)
+
+
 def shard_state(zopt, state_dict: dict[str, Any]) -> None:
-    """Load an unsharded optimizer state dict into this rank's pieces."""
+    """Load an unsharded optimizer state dict into this rank's pieces.
+
+    Elementwise values may be tensors, or objects that read a range on demand (see ``_piece_of``).
+    """
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'; "
                          f"got {sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
@@ -126,12 +142,12 @@ def shard_state(zopt, state_dict: dict[str, Any]) -> None:
                 continue
             out = {}
             for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if _is_elementwise(value):
                     if value.numel() != shape.numel():
                         raise ValueError(f"optimizer state {key!r} of parameter {saved_id[p]} has shape "
                                          f"{tuple(value.shape)}, the parameter has {tuple(shape)}: "
                                          "the checkpoint is for a different model.")
-                    value = value.reshape(-1)[piece.param_start : piece.param_end].clone()
+                    value = _piece_of(value, piece.param_start, piece.param_end)
                 out[key] = value
             inner_state[inner_index[t]] = out
     inner_groups = [{**saved, "params": [inner_index[t] for t in g["params"]]}

@@ -1,0 +1,388 @@
+"""Sharded checkpoints of a ZeRO-trained module: each rank saves what it owns, and loads the ranges it needs.
+
+Names (see [Note: checkpoint layout] in store.py): ``model/<name>`` is a parameter's working weights
+or a buffer, ``master/<name>`` the fp32 master copy of a low-precision parameter, and
+``optim/<i>/<key>/<name>`` an elementwise state tensor (``exp_avg``...) of optimizer ``i``. A
+parameter's ``<name>`` is its first name in ``module.named_parameters()``; a tied parameter's other
+names map to it through ``model_keys``. What a rank owns is its pieces (see [Note: pieces]): the
+flat groups say which ranges of which parameters those are. Everything else (frozen parameters at
+stages 1 and 2, buffers) is whole on every rank, and rank 0 saves it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..engine.collectives import Collectives
+from ..engine.flat import FlatGroup
+from ..engine.optimizer import ZeroOptimizer
+from ..engine.parameters import ParameterSharder
+from . import store
+from .store import CheckpointError, CheckpointReader, RankWriter
+
+MODEL, MASTER = "model/", "master/"
+
+
+def optim_name(i: int, key: str, name: str) -> str:
+    return f"optim/{i}/{key}/{name}"
+
+
+def parameter_names(module: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter's canonical name: its first in ``named_parameters()`` (tied ones have several)."""
+    return {p: n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+
+
+def flat_groups(optimizers: Sequence[ZeroOptimizer], sharder: Optional[ParameterSharder]) -> list[FlatGroup]:
+    """The flat groups holding the module's parameters: the sharder's at stage 3, else the optimizers'."""
+    groups = sharder.groups if sharder is not None else [g for opt in optimizers for g in opt.groups]
+    return list({id(g): g for g in groups}.values())
+
+
+def _weights(g: FlatGroup, piece) -> torch.Tensor:
+    """The working weights of ``piece``: in the full buffer of a resident group, else in the shard."""
+    if g.resident:
+        assert g.buffer is not None
+        return g.piece_of(g.buffer, piece)
+    assert g.shard is not None
+    return g.shard[piece.shard_offset : piece.shard_offset + piece.numel]
+
+
+# ---- save ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _RankRecord:
+    """What one rank wrote, sent to rank 0 for the index."""
+
+    file: str = ""
+    bytes: int = 0
+    parts: list = field(default_factory=list)  # [name, file, key, start, end]
+    specs: dict = field(default_factory=dict)  # name -> (shape, dtype)
+    optim_scalars: list = field(default_factory=list)  # per optimizer: name -> {key: value}
+    optim_tensors: list = field(default_factory=list)  # per optimizer: name -> [keys]
+    error: str = ""
+
+
+def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
+             sharder: Optional[ParameterSharder]) -> tuple[RankWriter, _RankRecord]:
+    names = parameter_names(module)
+    writer, record = RankWriter(rank), _RankRecord()
+
+    def add(name: str, values: torch.Tensor, start: int, shape: torch.Size) -> None:
+        record.specs[name] = (list(shape), str(values.dtype).removeprefix("torch."))
+        writer.add(name, values, start)
+
+    grouped: set[nn.Parameter] = set()
+    for g in flat_groups(optimizers, sharder):
+        grouped.update(g.params)
+        for i, (p, shape) in enumerate(zip(g.params, g.shapes)):
+            record.specs[MODEL + names[p]] = (list(shape), str(g.dtype).removeprefix("torch."))
+            if g.master_shard is not None:
+                record.specs[MASTER + names[p]] = (list(shape), str(g.master_shard.dtype).removeprefix("torch."))
+        for piece in g.pieces:
+            p, shape = g.params[piece.param], g.shapes[piece.param]
+            add(MODEL + names[p], _weights(g, piece), piece.param_start, shape)
+            if g.master_shard is not None:
+                add(MASTER + names[p], g.master(piece), piece.param_start, shape)
+    for key, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor) or value in grouped:
+            continue
+        name = MODEL + (names[value] if isinstance(value, nn.Parameter) else key)
+        if rank == 0:
+            add(name, value, 0, value.shape)
+        record.specs.setdefault(name, (list(value.shape), str(value.dtype).removeprefix("torch.")))
+
+    for i, zopt in enumerate(optimizers):
+        scalars: dict[str, dict[str, Any]] = {}
+        tensors: dict[str, list[str]] = {}
+        for g, pieces in zip(zopt.groups, zopt._pieces):
+            for piece, t in zip(g.pieces, pieces):
+                name = names[g.params[piece.param]]
+                for key, value in zopt.inner.state.get(t, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        add(optim_name(i, key, name), value, piece.param_start, g.shapes[piece.param])
+                        tensors.setdefault(name, [])
+                        if key not in tensors[name]:
+                            tensors[name].append(key)
+                    else:  # a number per parameter (the step count), the same in each of its pieces
+                        scalars.setdefault(name, {})[key] = value.detach().cpu().clone() if isinstance(
+                            value, torch.Tensor) else value
+        record.optim_scalars.append(scalars)
+        record.optim_tensors.append(tensors)
+    return writer, record
+
+
+def _all_gather_object(comm: Collectives, obj: Any) -> list[Any]:
+    if comm.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * comm.world_size
+    dist.all_gather_object(out, obj, group=comm.group)
+    return out
+
+
+def _broadcast_object(comm: Collectives, obj: Any) -> Any:
+    if comm.world_size == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(comm.group, 0) if comm.group else 0, group=comm.group)
+    return holder[0]
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[ZeroOptimizer],
+                 sharder: Optional[ParameterSharder], comm: Collectives, stage: int) -> None:
+    """Write ``checkpoint`` (Lightning's dict) as a sharded checkpoint directory. A collective.
+
+    ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` are ignored: the weights and
+    optimizer state come from the engine, each rank writing its own pieces. Without an
+    ``"optimizer_states"`` key (a weights-only save) no optimizer state is written.
+    """
+    path = Path(path)
+    with_optimizers = "optimizer_states" in checkpoint
+    optimizers = list(optimizers) if with_optimizers else []
+    status = ""
+    if comm.rank == 0:
+        try:
+            store.prepare_partial(path)
+        except OSError as err:
+            status = _error(err)
+    status = _broadcast_object(comm, status)
+    if status:
+        raise CheckpointError(f"cannot create the checkpoint directory next to {path}: {status}")
+    tmp = store.partial_dir(path)
+
+    record = _RankRecord()
+    try:
+        writer, record = _collect(comm.rank, module, optimizers, sharder)
+        record.file, record.bytes = writer.file, writer.write(tmp)
+        record.parts = [[p.name, p.file, p.key, p.start, p.end] for p in writer.parts]
+    except Exception as err:  # every rank must reach the all-gather below, whatever went wrong
+        record.error = _error(err)
+    records: list[_RankRecord] = _all_gather_object(comm, record)
+    failed = [(r, rec.error) for r, rec in enumerate(records) if rec.error]
+    status = ""
+    if comm.rank == 0:
+        if not failed:
+            try:
+                _finish(path, checkpoint, module, optimizers if with_optimizers else None, records, stage)
+            except Exception as err:
+                failed, status = [(0, _error(err))], _error(err)
+        if failed:
+            store.discard(path)
+    status = _broadcast_object(comm, status)
+    if failed or status:
+        where = failed[0] if failed else (0, status)
+        raise CheckpointError(f"saving the checkpoint {path} failed on rank {where[0]}: {where[1]}. Nothing was "
+                              "written over the previous checkpoint.")
+
+
+def _finish(path: Path, checkpoint: dict[str, Any], module: nn.Module,
+            optimizers: Optional[Sequence[ZeroOptimizer]], records: list[_RankRecord], stage: int) -> None:
+    """Rank 0: the index and trainer state, then the swap into place."""
+    tmp = store.partial_dir(path)
+    tensors: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        for name, (shape, dtype) in rec.specs.items():
+            tensors.setdefault(name, {"shape": shape, "dtype": dtype, "parts": []})
+        for name, file, key, start, end in rec.parts:
+            tensors[name]["parts"].append([file, key, start, end])
+    names = parameter_names(module)
+    model_keys, extra = {}, {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            model_keys[key] = MODEL + (names[value] if isinstance(value, nn.Parameter) else key)
+        else:
+            extra[key] = value
+    state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    state["zero_checkpoint"] = {
+        "model_keys": model_keys,
+        "model_extra_state": extra,
+        "optimizers": None if optimizers is None else _optimizer_records(optimizers, names, records),
+    }
+    store.write_trainer_state(tmp, state)
+    store.write_index(tmp, {
+        "format": store.FORMAT, "world_size": len(records), "stage": stage,
+        "files": {rec.file: {"bytes": rec.bytes} for rec in records},
+        "tensors": tensors,
+    })
+    store.commit(path)
+
+
+def _optimizer_records(optimizers: Sequence[ZeroOptimizer], names: dict[nn.Parameter, str],
+                       records: list[_RankRecord]) -> list[dict[str, Any]]:
+    """Per optimizer: its param groups (parameters by name) and the state keys of each parameter."""
+    out = []
+    for i, zopt in enumerate(optimizers):
+        scalars: dict[str, dict[str, Any]] = {}
+        tensors: dict[str, list[str]] = {}
+        for rec in records:
+            for name, values in rec.optim_scalars[i].items():
+                scalars.setdefault(name, {}).update(values)
+            for name, keys in rec.optim_tensors[i].items():
+                tensors.setdefault(name, [])
+                tensors[name] += [k for k in keys if k not in tensors[name]]
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+                  for g in zopt.param_groups]
+        out.append({"state": scalars, "tensor_state": tensors, "param_groups": groups})
+    return out
+
+
+# ---- load ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """An elementwise optimizer state tensor in a checkpoint, read a range at a time (engine/state.py
+    slices it with ``read_range``, so a rank reads only its pieces)."""
+
+    reader: CheckpointReader
+    name: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.reader.shape(self.name)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def read_range(self, start: int, end: int) -> torch.Tensor:
+        return self.reader.read(self.name, start, end)
+
+
+def _master_name(stored: str) -> str:
+    return MASTER + stored[len(MODEL):]
+
+
+def _best_source(reader: CheckpointReader, stored: str) -> str:
+    """A parameter's most precise saved values: the fp32 master when there is one."""
+    master = _master_name(stored)
+    return master if master in reader else stored
+
+
+def check_model_keys(saved: dict[str, Any], reader: CheckpointReader, module: nn.Module,
+                     groups: Sequence[FlatGroup], strict: bool) -> None:
+    """Raise, naming the keys, when the checkpoint is for another model."""
+    entries = module.state_dict(keep_vars=True)
+    model_keys: dict[str, str] = saved["model_keys"]
+    missing = [k for k, v in entries.items() if isinstance(v, torch.Tensor) and k not in model_keys]
+    unexpected = [k for k in model_keys if k not in entries]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"the checkpoint at {reader.path} does not match the model: missing keys {missing[:10]}, "
+                              f"unexpected keys {unexpected[:10]}. Load it into the model it was saved from, or pass "
+                              "strict=False (LightningModule.strict_loading) to load the keys that match.")
+    shape_of = {p: shape for g in groups for p, shape in zip(g.params, g.shapes)}
+    for key, value in entries.items():
+        if key in model_keys and isinstance(value, torch.Tensor):
+            ours, theirs = shape_of.get(value, value.shape), reader.shape(model_keys[key])
+            if ours != theirs:
+                raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(theirs)}, the model's has "
+                                      f"{tuple(ours)}: the checkpoint at {reader.path} is for a different model.")
+
+
+@torch.no_grad()
+def load_model(reader: CheckpointReader, saved: dict[str, Any], module: nn.Module, groups: Sequence[FlatGroup],
+               strict: bool = True) -> None:
+    """Load weights and buffers; sharded groups read only this rank's ranges. Not a collective."""
+    check_model_keys(saved, reader, module, groups, strict)
+    model_keys: dict[str, str] = saved["model_keys"]
+    group_of = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
+    done: set[torch.Tensor] = set()
+    for key, value in module.state_dict(keep_vars=True).items():
+        if key not in model_keys or not isinstance(value, torch.Tensor) or value in done:
+            continue
+        done.add(value)  # a tied parameter is loaded once, under its first name
+        source = _best_source(reader, model_keys[key]) if isinstance(value, nn.Parameter) else model_keys[key]
+        g, i = group_of.get(value, (None, -1))
+        if g is None or g.resident:
+            value.data.copy_(reader.full(source))
+            continue
+        assert g.shard is not None
+        for piece in g.pieces:
+            if piece.param == i:
+                g.shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(
+                    reader.read(source, piece.param_start, piece.param_end))
+        if g.buffer is not None:  # a gathered copy no longer matches the shard
+            g.release()
+    for key, value in saved.get("model_extra_state", {}).items():
+        _set_extra_state(module, key, value)
+    load_masters(reader, saved, module, groups)
+
+
+def _set_extra_state(module: nn.Module, key: str, value: Any) -> None:
+    """``key`` is ``<submodule path>._extra_state`` (``_extra_state`` for the module itself)."""
+    module.get_submodule(key.removesuffix("_extra_state").rstrip(".")).set_extra_state(value)
+
+
+@torch.no_grad()
+def load_masters(reader: CheckpointReader, saved: dict[str, Any], module: nn.Module,
+                 groups: Sequence[FlatGroup]) -> None:
+    """fp32 master copies from the checkpoint's masters (or its weights, saved without masters)."""
+    names = parameter_names(module)
+    model_keys: dict[str, str] = saved["model_keys"]
+    for g in groups:
+        if g.master_shard is None:
+            continue
+        for piece in g.pieces:
+            key = names.get(g.params[piece.param])
+            if key in model_keys:
+                values = reader.read(_best_source(reader, model_keys[key]), piece.param_start, piece.param_end)
+                g.master(piece).copy_(values)
+
+
+def load_optimizers(reader: CheckpointReader, saved: dict[str, Any], module: nn.Module,
+                    optimizers: Sequence[ZeroOptimizer]) -> None:
+    """Load each optimizer's state from the checkpoint, reading only this rank's ranges; then the
+    master weights. A collective (as ``ZeroOptimizer.load_state_dict``)."""
+    records = saved.get("optimizers")
+    if records is None:
+        raise CheckpointError(f"the checkpoint at {reader.path} holds weights only (saved with weights_only=True or "
+                              "ModelCheckpoint(save_weights_only=True)), so training cannot resume from it; load its "
+                              "weights into the model instead, or resume from a full checkpoint.")
+    if len(records) != len(optimizers):
+        raise CheckpointError(f"the checkpoint at {reader.path} has {len(records)} optimizers, this run has "
+                              f"{len(optimizers)}: configure_optimizers returns a different set.")
+    names = parameter_names(module)
+    for i, (zopt, rec) in enumerate(zip(optimizers, records)):
+        ours = [[names.get(p, "<not in the module>") for p in g["params"]] for g in zopt.param_groups]
+        theirs = [g["params"] for g in rec["param_groups"]]
+        if ours != theirs:
+            raise CheckpointError(f"optimizer {i} of the checkpoint at {reader.path} steps other parameters than this "
+                                  f"run's: {_first_difference(theirs, ours)}. It was saved for a different model or "
+                                  "configure_optimizers.")
+        state, groups, index = {}, [], 0
+        for group in rec["param_groups"]:
+            ids = []
+            for name in group["params"]:
+                entry = dict(rec["state"].get(name, {}))
+                for key in rec["tensor_state"].get(name, []):
+                    entry[key] = StoredTensor(reader, optim_name(i, key, name))
+                if entry:
+                    state[index] = entry
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        zopt.load_state_dict({"state": state, "param_groups": groups})
+        load_masters(reader, saved, module, zopt.groups)
+
+
+def _first_difference(theirs: list[list[str]], ours: list[list[str]]) -> str:
+    if len(theirs) != len(ours):
+        return f"{len(theirs)} param groups saved, {len(ours)} here"
+    for gi, (a, b) in enumerate(zip(theirs, ours)):
+        for j in range(max(len(a), len(b))):
+            x, y = (a[j] if j < len(a) else None), (b[j] if j < len(b) else None)
+            if x != y:
+                return f"param group {gi}, position {j}: saved {x!r}, here {y!r}"
+    return "none found"
