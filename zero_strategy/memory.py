@@ -2,7 +2,8 @@
 
 Both answer in the same keys, bytes per rank: ``params`` (working weights), ``grads``,
 ``optimizer_states`` (e.g. Adam's two moments), ``master_params`` (fp32 copies of low-precision
-weights), and ``total``.
+weights), and ``total``; and where those bytes live: ``device``, ``host`` (offloaded to host
+memory) and ``disk`` (optimizer state in ``offload_dir``), which add up to ``total``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from .engine import ZeroOptimizer
 
 KEYS = ("params", "grads", "optimizer_states", "master_params")
+LOCATIONS = ("device", "host", "disk")
 
 # bytes per parameter: (working weight, gradient, fp32 master copy, default optimizer state)
 # The state default is Adam's two moments, fp32 unless the whole run is in half precision.
@@ -38,13 +40,20 @@ def normalize_precision(precision: str | int) -> str:
 
 def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precision: str | int = "32-true",
                     offload_optimizer: bool = False, offload_params: bool = False,
-                    optimizer_state_bytes: Optional[float] = None) -> dict[str, int]:
-    """Per-rank model-state bytes that the ZeRO paper's formula predicts.
+                    optimizer_state_bytes: Optional[float] = None, offload_disk: bool = False) -> dict[str, int]:
+    """Per-rank model-state bytes that the ZeRO paper's formula predicts, and where they live.
 
     Stage 0 is plain data parallelism. With mixed-precision Adam (K = 12) this gives the paper's
     P_os = 4Ψ + KΨ/N, P_os+g = 2Ψ + (2+K)Ψ/N and P_os+g+p = (4+K)Ψ/N. ``optimizer_state_bytes`` is
     the optimizer's state per parameter (default Adam's: 8 bytes, 4 when training in true half);
-    SGD with momentum has 4. Offloaded bytes are counted in ``host`` instead of ``device``.
+    SGD with momentum has 4.
+
+    Offload (as the engine does it, see zero_strategy/engine/offload.py): ``offload_optimizer``
+    moves the master weights, the optimizer state and the gradient shard the step reads to the
+    host; the master is then a copy even for fp32 (or true-half) weights, and the host gradient is
+    in the master's dtype. Stage 1 keeps its full device gradient for autograd besides. Between
+    uses, ``offload_params`` (stage 3) keeps the parameter shards on the host, and ``offload_disk``
+    (``offload_dir``) the optimizer state in files. Staging buffers of a few buckets are not counted.
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params={num_params!r} must be a non-negative integer")
@@ -54,23 +63,35 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
     if offload_params and stage != 3:
         raise ValueError(f"offload_params=True needs stage 3 (parameters are only sharded there), got stage={stage}")
+    if (offload_optimizer or offload_disk) and stage == 0:
+        raise ValueError("offload needs a ZeRO stage (1, 2 or 3), got stage=0 (plain data parallelism)")
+    if offload_disk and not offload_optimizer:
+        raise ValueError("offload_disk=True keeps optimizer state on disk, which needs offload_optimizer=True")
     param_b, grad_b, master_b, state_b = _PRECISION_BYTES[normalize_precision(precision)]
     if optimizer_state_bytes is not None:
         state_b = optimizer_state_bytes
     n = world_size
-    out = {
-        "params": param_b * num_params / (n if stage >= 3 else 1),
-        "grads": grad_b * num_params / (n if stage >= 2 else 1),
-        "optimizer_states": state_b * num_params / (n if stage >= 1 else 1),
-        "master_params": master_b * num_params / (n if stage >= 1 else 1),
-    }
-    out = {k: int(round(v)) for k, v in out.items()}
-    on_host = {"optimizer_states", "master_params"} if offload_optimizer else set()
-    if offload_params:
-        on_host.add("params")
+    shard = n if stage >= 1 else 1
+    where: dict[str, dict[str, float]] = {loc: {k: 0.0 for k in KEYS} for loc in LOCATIONS}
+    where["host" if offload_params else "device"]["params"] = param_b * num_params / (n if stage >= 3 else 1)
+    if offload_optimizer:
+        host_master_b = master_b or param_b  # the host step needs its own copy of the weights
+        if offload_params and master_b == 0:
+            host_master_b = 0  # the host shard, in the working dtype, is its own master
+        where["host"]["master_params"] = host_master_b * num_params / shard
+        where["host"]["grads"] = (master_b or grad_b) * num_params / shard
+        if stage == 1:
+            where["device"]["grads"] = grad_b * num_params  # autograd's full buffer
+        where["disk" if offload_disk else "host"]["optimizer_states"] = state_b * num_params / shard
+    else:
+        where["device"]["master_params"] = master_b * num_params / shard
+        where["device"]["grads"] = grad_b * num_params / (n if stage >= 2 else 1)
+        where["device"]["optimizer_states"] = state_b * num_params / shard
+    out = {k: int(round(sum(where[loc][k] for loc in LOCATIONS))) for k in KEYS}
     out["total"] = sum(out[k] for k in KEYS)
-    out["host"] = sum(out[k] for k in on_host)
-    out["device"] = out["total"] - out["host"]
+    for loc in ("host", "disk"):
+        out[loc] = int(round(sum(where[loc].values())))
+    out["device"] = out["total"] - out["host"] - out["disk"]
     return out
 
 
@@ -84,10 +105,12 @@ def count_parameters(module: torch.nn.Module) -> int:
 
 
 class _StorageCounter:
-    """Bytes of distinct storages: views of one buffer are counted once."""
+    """Bytes of distinct storages, split into device and host: views of one buffer count once."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_host: Iterable[torch.Tensor] = ()) -> None:
         self._seen: set[int] = set()
+        self._host = {t.untyped_storage().data_ptr() for t in on_host if t.device.type != "meta"}
+        self.host = 0  # of everything counted so far, the bytes in host memory
 
     def __call__(self, tensors: Iterable[torch.Tensor]) -> int:
         total = 0
@@ -99,6 +122,8 @@ class _StorageCounter:
                 continue
             self._seen.add(storage.data_ptr())
             total += storage.nbytes()
+            if storage.data_ptr() in self._host:
+                self.host += storage.nbytes()
         return total
 
 
@@ -107,19 +132,26 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
 
     Counted from the live tensors' storages, each storage once; a ZeroOptimizer's fp32 master
     that aliases the parameters (see [Note: master weights]) is counted as parameters only. At
-    stage 3, parameters are the shards plus whatever units are gathered at the moment.
+    stage 3, parameters are the shards plus whatever units are gathered at the moment. ``host``
+    counts what the engine offloaded to host memory (on a CPU run that is the same memory as the
+    device's, but still told apart), ``disk`` the optimizer state in ``offload_dir`` files.
     """
-    count = _StorageCounter()
     optimizers = list(optimizers)
     sharders = dict.fromkeys(s for s in (getattr(p, "_zero_sharder", None) for p in module.parameters()) if s)
-    stats = {"params": count([*module.parameters(), *(t for s in sharders for t in s.held_tensors())])}
     zero = [o for o in optimizers if isinstance(o, ZeroOptimizer)]
+    count = _StorageCounter([*(t for s in sharders for t in s.host_tensors()),
+                             *(t for o in zero for t in o.memory_tensors()["host"])])
+    stats = {"params": count([*module.parameters(), *(t for s in sharders for t in s.held_tensors())])}
     stats["grads"] = count([t for o in zero for t in o.memory_tensors()["grads"]]
                            + [p.grad for p in module.parameters() if p.grad is not None])
     stats["master_params"] = count(t for o in zero for t in o.memory_tensors()["master_params"])
-    stats["optimizer_states"] = count(
+    disk = sum(o.disk_bytes() for o in zero)
+    stats["optimizer_states"] = disk + count(
         v for o in optimizers for s in (o.inner.state if isinstance(o, ZeroOptimizer) else o.state).values()
         for v in s.values()
     )
     stats["total"] = sum(stats[k] for k in KEYS)
+    stats["host"] = count.host
+    stats["disk"] = disk
+    stats["device"] = stats["total"] - stats["host"] - stats["disk"]
     return stats

@@ -11,6 +11,13 @@ A *resident* group (stages 1 and 2, and small parameters at stage 3) keeps its f
 every rank; the rank's shard is a set of slices of it. A *sharded* group (stage 3) keeps only
 ``shard``, the rank's slices copied out, and holds the full buffer only between ``gather()`` and
 ``release()``; while released, each parameter's ``.data`` is an empty tensor (``torch.Size([0])``).
+
+[Note: offloaded groups]
+``offload_master`` puts the master shard in host memory (a copy even for fp32 weights, which are
+then the device's working copy; see [Note: where offloaded bytes live] in offload.py).
+``offload_shard`` (sharded groups only) keeps ``shard`` in host memory: ``gather()`` copies it to
+the device for the all-gather. When both hold and the shard already has the master's dtype, the
+shard is its own master.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 
 from .collectives import Collectives, Pending
 from .layout import GroupLayout, Piece, Segment, align_elements, plan_group
+from .offload import HOST, host_copy
 
 _NO_BUCKET = 2**62  # a sharded group is one segment: one all-gather per gather
 
@@ -35,7 +43,8 @@ class FlatGroup:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int,
                  bucket_numel: int = _NO_BUCKET, resident: bool = True,
-                 broadcast_from: Optional[Collectives] = None, master_dtype: Optional[torch.dtype] = None) -> None:
+                 broadcast_from: Optional[Collectives] = None, master_dtype: Optional[torch.dtype] = None,
+                 offload_master: bool = False, offload_shard: bool = False) -> None:
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]  # a released parameter's own shape is (0,)
         self.rank = rank
@@ -54,11 +63,19 @@ class FlatGroup:
             broadcast_from.broadcast(self.buffer, src=0)
         self._point_params_at(self.buffer)
         own = torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments])
-        # see [Note: master copies]
-        self.master_shard = own.to(master_dtype) if master_dtype not in (None, self.dtype) else None
         self.shard: Optional[torch.Tensor] = None
         if not resident:
-            self.shard = own
+            self.shard = host_copy(own, self.dtype, self.device) if offload_shard else own
+        # see [Note: master copies] and [Note: offloaded groups]
+        self.master_shard: Optional[torch.Tensor] = None
+        if offload_master:
+            want = master_dtype or self.dtype
+            own_master = self.shard is not None and self.shard.device == HOST and self.shard.dtype == want
+            self.master_shard = self.shard if own_master else host_copy(own, want, self.device)
+        elif master_dtype not in (None, self.dtype):
+            self.master_shard = own.to(master_dtype)
+        self.offload_master, self.offload_shard = offload_master, offload_shard and not resident
+        if not resident:
             self.release()
 
     @property
@@ -112,8 +129,9 @@ class FlatGroup:
             return []
         self.buffer = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
         self._point_params_at(self.buffer)
+        shard = self.shard.to(self.device, non_blocking=True)  # a host shard goes to the device first
         return [comm.all_gather(self.segment_of(self.buffer, seg),
-                                self.shard[seg.shard_start : seg.shard_start + seg.shard_numel])
+                                shard[seg.shard_start : seg.shard_start + seg.shard_numel])
                 for seg in self.segments]
 
     def release(self) -> None:
@@ -124,21 +142,39 @@ class FlatGroup:
             p.data = empty
         self.buffer = None
 
-    def write_back(self) -> None:
+    def write_back(self, copy: bool = True) -> None:
         """After a step: round the fp32 master into the working weights (this rank's slices), and
-        drop a sharded group's gathered copy, which no longer matches its shard."""
+        drop a sharded group's gathered copy, which no longer matches its shard. ``copy=False``:
+        the pieces were written back already (``write_back_piece``); only release."""
         if self.resident:
-            if self.master_shard is not None:
+            if copy and self.master_shard is not None:
                 assert self.buffer is not None
                 for seg in self.segments:
                     lo = seg.shard_start
                     self.own_shard_of(self.buffer, seg).copy_(self.master_shard[lo : lo + seg.shard_numel])
             return
         assert self.shard is not None
-        if self.master_shard is not None:
+        if copy and self.master_shard is not None and self.master_shard is not self.shard:
             self.shard.copy_(self.master_shard)
         if self.buffer is not None:
             self.release()
+
+    def write_back_piece(self, piece: Piece, start: int = 0, end: Optional[int] = None) -> None:
+        """Round elements ``[start, end)`` of ``piece``'s master into the working weights without
+        waiting: a copy from pinned host memory runs while the host goes on (see [Note: stepping in
+        tiles] in offload.py); ``wait_for_copies`` before reading them."""
+        if self.master_shard is None or self.master_shard is self.shard:
+            return
+        end = piece.numel if end is None else end
+        lo = piece.shard_offset
+        src = self.master_shard[lo + start : lo + end]
+        if self.resident:
+            assert self.buffer is not None
+            dst = self.buffer[piece.buffer_offset + start : piece.buffer_offset + end]
+        else:
+            assert self.shard is not None
+            dst = self.shard[lo + start : lo + end]
+        dst.copy_(src, non_blocking=True)
 
     def save_own_slices(self) -> None:
         """Copy this rank's slices of the (gathered, edited) full buffer back into the shard."""

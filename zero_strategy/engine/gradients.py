@@ -15,6 +15,14 @@ A parameter can receive a second gradient in the same backward after its segment
 (reentrant activation checkpointing runs a nested backward). Its segment is staged again and
 reduced once more when backward ends, added into the shard. The graph is the same on every rank,
 so every rank stages the same late segments and the sequence of collectives still agrees.
+
+[Note: gradients to the host]
+With optimizer offload (``host_dtypes``), the gradient shard the step reads lives in host memory,
+in the master's dtype. Stage 2 reduce-scatters each segment into a device temporary and copies the
+result to the host shard when the reduction completes, during backward (non-blocking from the
+device, added on the host when accumulating), so no device gradient shard exists. Stage 1 keeps its
+full device buffer for autograd and copies each segment's shard out as soon as that segment is
+reduced, while the next one is in flight.
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives, wait_all
+from .collectives import Collectives
 from .flat import FlatGroup
 from .layout import Piece
+from .offload import host_empty
 
 MAX_INFLIGHT = 2
 """Stage 2 reductions in flight before backward waits for the oldest. Bounds the staging memory to
@@ -80,8 +89,13 @@ class GradientReducer:
     """
 
     def __init__(self, groups: Sequence[FlatGroup], stage: int, comm: Collectives,
-                 position: Optional[Mapping[torch.nn.Parameter, int]] = None, listener=None) -> None:
+                 position: Optional[Mapping[torch.nn.Parameter, int]] = None, listener=None,
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
         self.groups = list(groups)
+        # see [Note: gradients to the host]; host_grads[gi] is the shard the step reads, or None
+        self.host_grads: list[Optional[torch.Tensor]] = [
+            host_empty(g.layout.shard_numel, dt, g.device).zero_() for g, dt in zip(self.groups, host_dtypes)
+        ] if host_dtypes is not None else [None] * len(self.groups)
         self.stage = 1 if stage == 1 else 2  # stage 3 reduces as stage 2 does, unit by unit
         self.comm = comm
         self.listener = listener  # told when a group's gradients are all in and when backward ends
@@ -97,7 +111,8 @@ class GradientReducer:
             self._grad_views = [g.param_views(b) for g, b in zip(self.groups, self.grad_buffers)]
             self._attach_grad_views()
         else:
-            self.grad_shards = [torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device) for g in self.groups]
+            self.grad_shards = [h if h is not None else torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device)
+                                for g, h in zip(self.groups, self.host_grads)]
             self._shard_filled = False  # False after zero_grad: the next reduction writes, not adds
             self._pool = _StagingPool(keep=MAX_INFLIGHT + 1)
             self._reset_backward_state()
@@ -191,17 +206,23 @@ class GradientReducer:
         if self.comm.world_size > 1:
             staging.div_(self.comm.world_size)  # average as DDP does: divide, then sum
         target = self.grad_shards[gi][seg.shard_start : seg.shard_start + seg.shard_numel]
-        output = torch.empty_like(target) if (self._shard_filled or accumulate) else target
-        self._inflight.append((self.comm.reduce_scatter(output, staging), buffer, output, target))
+        if self.host_grads[gi] is not None:  # see [Note: gradients to the host]
+            output = torch.empty(seg.shard_numel, dtype=group.dtype, device=group.device)
+        else:
+            output = torch.empty_like(target) if (self._shard_filled or accumulate) else target
+        add = self._shard_filled or accumulate
+        self._inflight.append((self.comm.reduce_scatter(output, staging), buffer, output, target, add))
         self._finish(len(self._inflight) - MAX_INFLIGHT)
 
     def _finish(self, count: int) -> None:
         """Complete the ``count`` oldest reductions in flight and recycle their staging buffers."""
         for _ in range(max(0, count)):
-            pending, buffer, output, target = self._inflight.popleft()
+            pending, buffer, output, target, add = self._inflight.popleft()
             pending.wait()
-            if output is not target:  # accumulating over micro-batches, or a late gradient
-                target.add_(output)
+            if add:  # accumulating over micro-batches, or a late gradient
+                target.add_(output.to(target.device, target.dtype))
+            elif output is not target:  # a device result for a host shard
+                target.copy_(output, non_blocking=True)
             self._pool.give(buffer)
 
     # ---- stage 1 ---------------------------------------------------------------------------
@@ -223,13 +244,23 @@ class GradientReducer:
             if self.comm.world_size > 1:
                 full.div_(self.comm.world_size)
             pending.append(self.comm.reduce_scatter(group.own_shard_of(self.grad_buffers[gi], seg), full))
-        wait_all(pending)
+        for (gi, si), p in zip(self.order, pending):  # see [Note: gradients to the host]
+            p.wait()
+            host = self.host_grads[gi]
+            if host is not None:
+                seg = self.groups[gi].segments[si]
+                host[seg.shard_start : seg.shard_start + seg.shard_numel].copy_(
+                    self.groups[gi].own_shard_of(self.grad_buffers[gi], seg), non_blocking=True)
         self._reduced = True
 
     # ---- what the optimizer reads ----------------------------------------------------------
 
     def piece_grad(self, gi: int, piece: Piece) -> torch.Tensor:
-        """The averaged gradient of ``piece`` (valid after reduce())."""
+        """The averaged gradient of ``piece`` (valid after reduce(), and on the host once the
+        device's copies are done)."""
+        host = self.host_grads[gi]
+        if host is not None:
+            return host[piece.shard_offset : piece.shard_offset + piece.numel]
         if self.stage == 1:
             return self.groups[gi].piece_of(self.grad_buffers[gi], piece)
         return self.grad_shards[gi][piece.shard_offset : piece.shard_offset + piece.numel]
@@ -249,9 +280,14 @@ class GradientReducer:
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Gradient storage that outlives a step: the flat buffers or shards, and reused staging."""
+        hosts = [h for h in self.host_grads if h is not None]
         if self.stage == 1:
-            return list(self.grad_buffers)
+            return list(self.grad_buffers) + hosts
         return list(self.grad_shards) + list(self._pool.free)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The gradient storage that lives in host memory (see [Note: gradients to the host])."""
+        return [h for h in self.host_grads if h is not None]
 
     def zero_grad(self) -> None:
         self.received = [[False] * len(g.params) for g in self.groups]

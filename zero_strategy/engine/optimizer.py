@@ -8,6 +8,15 @@ slices back to everyone, so no second fp32 copy exists. bf16/fp16 parameters get
 of the owned shard instead (see [Note: master copies] in flat.py). The user's optimizer object is kept: its
 ``param_groups`` list is shared with this one, so LR schedulers built on it and Lightning's LR
 monitor see and change the hyperparameters that the inner optimizer uses at every step.
+
+[Note: offloaded step]
+With ``offload_optimizer`` the master pieces, their gradients and the inner optimizer's state are
+host tensors (see offload.py), and the inner optimizer is re-created fused (or foreach) for the
+host. The step runs tile by tile, each tile's updated pieces starting their copy to the device as
+the next tile steps; then the device waits for those copies and the all-gathers run as usual. With
+``offload_dir`` the state of each tile comes from disk and goes back to it; ``state_dict()`` reads
+it all into memory for the consolidation and ``load_state_dict()`` writes it all out again, so the
+unsharded state dict is the same as without offload.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from ..config import ZeroConfig
 from .collectives import Collectives, wait_all
 from .flat import FlatGroup
 from .gradients import GradientReducer
+from .offload import HOST, DiskState, DiskStepper, host_optimizer_kwargs, plan_tiles, wait_for_copies
 from .parameters import ParameterSharder
 from .scaler import LossScaler
 from .state import consolidate_state, shard_state
@@ -87,6 +97,7 @@ class _StepState:
     """
 
     grads: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # (master piece, its gradient)
+    where: Optional[list[tuple[int, int]]] = None  # (group, piece) of each entry of grads
     overflow: bool = False
 
 
@@ -112,27 +123,64 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.groups = self._groups_of(sharder, trainable)
         else:
             self.groups = [FlatGroup(ps, self.comm.world_size, self.comm.rank, config.bucket_numel(ps[0].element_size()),
-                                     master_dtype=config.master_dtype) for ps in trainable]
+                                     master_dtype=config.master_dtype, offload_master=config.offload_optimizer)
+                           for ps in trainable]
+        self._device = self.groups[0].device if self.groups else torch.device("cpu")  # where collectives run
         if param_order is None and sharder is not None:  # the module's order: see [Note: launch order]
             param_order = {p: i for i, p in enumerate(sharder.module.parameters())}
         if param_order is not None:
             param_order = {p: param_order.get(p, len(param_order)) for g in self.groups for p in g.params}
-        self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order, listener=sharder)
+        self.offloaded = config.offload_optimizer
+        self._check_offloaded()
+        host_dtypes = [g.master_shard.dtype for g in self.groups] if self.offloaded else None  # type: ignore[union-attr]
+        self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order, listener=sharder,
+                                       host_dtypes=host_dtypes)
         user_group_of = {p: gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         inner_groups = [{**user_group, "params": []} for user_group in optimizer.param_groups]
         self._pieces = []  # the inner optimizer's tensor for each piece of each group
+        self._user_group: list[list[Optional[int]]] = []  # the param group of each piece (None: not ours)
         for g in self.groups:
             self._pieces.append([g.master(piece) for piece in g.pieces])
-            for piece, t in zip(g.pieces, self._pieces[-1]):
-                gi = user_group_of.get(g.params[piece.param])
+            self._user_group.append([user_group_of.get(g.params[piece.param]) for piece in g.pieces])
+            for t, gi in zip(self._pieces[-1], self._user_group[-1]):
                 if gi is not None:  # at stage 3 a unit may hold parameters of another optimizer
                     inner_groups[gi]["params"].append(t)
-        self.inner = type(optimizer)(inner_groups, **_constructor_kwargs(type(optimizer), optimizer.defaults))
+        kwargs = _constructor_kwargs(type(optimizer), optimizer.defaults)
+        if self.offloaded:  # see [Note: offloaded step]
+            kwargs = host_optimizer_kwargs(type(optimizer), kwargs)
+            inner_groups = [self._for_host(g) for g in inner_groups]
+        self.inner = type(optimizer)(inner_groups, **kwargs)
         super().__init__([{"params": g["params"]} for g in optimizer.param_groups], optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
         self.state = self.inner.state  # type: ignore[assignment]
         self.scaler = scaler
         self._step = _StepState()
+        self._tiles, self._disk = self._plan_offload(config, type(optimizer), kwargs)
+
+    def _check_offloaded(self) -> None:
+        if not self.offloaded:
+            return
+        bad = [g for g in self.groups if not g.offload_master]
+        if bad:
+            raise ValueError("offload_optimizer=True, but the sharder kept the master weights of "
+                             f"{len(bad)} flat groups on the device: build the sharder with the same ZeroConfig "
+                             "(shard_module(model, config)) as the ZeroOptimizer.")
+
+    def _for_host(self, group: dict[str, Any]) -> dict[str, Any]:
+        """A param group's settings with the host step's kernel choice (fused or foreach)."""
+        own = {k: group[k] for k in ("fused", "foreach", "capturable") if k in group}
+        return {**group, **host_optimizer_kwargs(type(self.optim), own)}
+
+    def _plan_offload(self, config: ZeroConfig, cls: type, kwargs: dict[str, Any]):
+        """Tiles of the host step and, with ``offload_dir``, the files of the optimizer state."""
+        if not self.offloaded:
+            return [], None
+        tile_numel = max(1, int(config.offload_tile_mb * 2**20) // 4)  # MiB of fp32 master weights
+        ranges = [[(p.shard_offset, p.shard_offset + p.numel) for p in g.pieces] for g in self.groups]
+        if config.offload_dir is None:
+            return plan_tiles(ranges, tile_numel, split_pieces=False), None
+        disk = DiskState(config.offload_dir, self.comm.rank, [g.layout.shard_numel for g in self.groups])
+        return [], DiskStepper(disk, plan_tiles(ranges, tile_numel, split_pieces=True), cls, kwargs)
 
     def _trainable(self, optimizer: torch.optim.Optimizer) -> list[list[torch.nn.Parameter]]:
         """Trainable parameters by param group, dtype and device; every check passes before any moves."""
@@ -183,20 +231,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         self.reducer.reduce()
         received = self.reducer.received_anywhere()
-        self._step.grads = []
+        if self.offloaded:
+            wait_for_copies(self._device)  # the gradients' copies to the host
+        self._step.grads, self._step.where = [], []
         for gi, (g, tensors) in enumerate(zip(self.groups, self._pieces)):
-            for piece, master in zip(g.pieces, tensors):
+            for pi, (piece, master) in enumerate(zip(g.pieces, tensors)):
                 if received[gi][piece.param]:
                     grad = self.reducer.piece_grad(gi, piece)
                     self._step.grads.append((master, grad.to(master.dtype)))  # a copy only for a wider master
+                    self._step.where.append((gi, pi))
         self._step.overflow = False
         if self.scaler is not None and self._step.grads:
             grads = [grad for _, grad in self._step.grads]
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
             bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).to(torch.uint8).reshape(1)
         elif self.scaler is not None:
-            bad = torch.zeros(1, dtype=torch.uint8, device=self.groups[0].device if self.groups else "cpu")
+            bad = torch.zeros(1, dtype=torch.uint8, device=self._device)
         if self.scaler is not None:  # every rank takes part, holding gradients or not
+            bad = bad.to(self._device)  # host gradients (offload) give a host flag
             self.comm.all_reduce(bad, op=dist.ReduceOp.MAX)
             self._step.overflow = bool(bad.item())
 
@@ -225,18 +277,67 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for tensors in self._pieces:
             for t in tensors:
                 t.grad = None
-        for master, grad in self._step.grads:
-            master.grad = grad
+        kept = ("params", "fused", "foreach", "capturable") if self.offloaded else ("params",)
         for user_group, inner_group in zip(self.param_groups, self.inner.param_groups):
-            inner_group.update({k: v for k, v in user_group.items() if k != "params"})
-        self.inner.step()
+            inner_group.update({k: v for k, v in user_group.items() if k not in kept})
+        if self.offloaded:
+            self._step_on_host()
+        else:
+            for master, grad in self._step.grads:
+                master.grad = grad
+            self.inner.step()
+            for g in self.groups:
+                g.write_back()
         if self.scaler is not None:
             self.scaler.update(overflow=False)
-        for g in self.groups:
-            g.write_back()
         self._all_gather_params()
         self.optim._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check this flag
         return loss
+
+    def _step_on_host(self) -> None:
+        """The step on host tensors, tile by tile: see [Note: offloaded step]."""
+        assert self._step.grads is not None and self._step.where is not None
+        grad_of = {where: grad for where, (_, grad) in zip(self._step.where, self._step.grads)}
+        self._keep_state_on_host()
+
+        def written(parts) -> None:  # start the copies of a stepped tile to the device
+            for part in parts:
+                g = self.groups[part.group]
+                piece = g.pieces[part.piece]
+                g.write_back_piece(piece, part.start - piece.shard_offset, part.end - piece.shard_offset)
+
+        if self._disk is not None:
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
+
+            def settings_of(gi: int, pi: int):
+                index = self._user_group[gi][pi]
+                return None if index is None else (index, settings[index])
+
+            offsets = [[p.shard_offset for p in g.pieces] for g in self.groups]
+            self._disk.step(self._pieces, offsets, grad_of, self.inner.state, settings_of, written)
+        else:
+            for tile in self._tiles:
+                live = [p for p in tile if (p.group, p.piece) in grad_of]
+                if not live:
+                    continue
+                for p in live:
+                    self._pieces[p.group][p.piece].grad = grad_of[(p.group, p.piece)]
+                self.inner.step()
+                for p in live:
+                    self._pieces[p.group][p.piece].grad = None
+                written(live)
+        wait_for_copies(self._device)
+        for g in self.groups:
+            g.write_back(copy=False)
+
+    def _keep_state_on_host(self) -> None:
+        """Lightning's checkpoint restore moves optimizer state to the root device; put it back."""
+        for tensors in self._pieces:
+            for t in tensors:
+                entry = self.inner.state.get(t)
+                if entry and any(isinstance(v, torch.Tensor) and v.device != t.device for v in entry.values()):
+                    self.inner.state[t] = {k: v.to(t.device) if isinstance(v, torch.Tensor) else v
+                                           for k, v in entry.items()}
 
     def _all_gather_params(self) -> None:
         wait_all([
@@ -264,18 +365,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Returns the total norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does.
         """
         grads = self.piece_grads()
-        device = self.groups[0].device if self.groups else torch.device("cpu")
+        device = self._device  # the collective's; offloaded gradients are on the host
         norms = torch.stack(torch._foreach_norm(grads, norm_type)).double() if grads else torch.zeros(1, device=device)
         if float(norm_type) == float("inf"):
-            total = norms.max()
+            total = norms.max().to(device)
             self.comm.all_reduce(total, op=dist.ReduceOp.MAX)
         else:
-            total = norms.pow(norm_type).sum()
+            total = norms.pow(norm_type).sum().to(device)
             self.comm.all_reduce(total)
             total = total.pow(1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
         return total.to(torch.float32)
 
     @torch.no_grad()
@@ -287,15 +388,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ---- state dict: the unsharded layout of the user's optimizer ---------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return consolidate_state(self)
+        if self._disk is None:
+            return consolidate_state(self)
+        offsets = [[p.shard_offset for p in g.pieces] for g in self.groups]
+        self._disk.materialize(self._pieces, offsets, self.inner.state)  # see [Note: offloaded step]
+        try:
+            return consolidate_state(self)
+        finally:
+            self._disk.spill(self._pieces, offsets, self.inner.state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         shard_state(self, state_dict)
+        self.state = self.inner.state  # torch's load_state_dict made a new dict
+        if self.offloaded:
+            self.inner.param_groups[:] = [self._for_host(g) for g in self.inner.param_groups]
+            self._keep_state_on_host()
+        if self._disk is not None:
+            self._disk.spill(self._pieces, [[p.shard_offset for p in g.pieces] for g in self.groups], self.inner.state)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Tensors this engine keeps alive, by kind (the inner optimizer's state aside)."""
+        """Tensors this engine keeps alive, by kind (the inner optimizer's state aside), and under
+        ``host`` those of them (and of the state) that live in host memory because of offload."""
+        masters = [g.master_shard for g in self.groups if g.master_shard is not None]
+        host: list[torch.Tensor] = []
+        if self.offloaded:
+            state = [v for entry in self.inner.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+            host = [*self.reducer.host_tensors(), *(m for m in masters if m.device == HOST), *state]
         return {"grads": self.reducer.held_tensors(),  # fp32 weights are their own master: no copy
-                "master_params": [g.master_shard for g in self.groups if g.master_shard is not None]}
+                "master_params": masters, "host": host}
+
+    def disk_bytes(self) -> int:
+        """Bytes of optimizer state in ``offload_dir`` files (0 without disk offload)."""
+        return self._disk.disk.nbytes() if self._disk is not None else 0
+
+    def close(self) -> None:
+        """Delete the disk-offload files now (otherwise when this object is collected, or at exit)."""
+        if self._disk is not None:
+            self._disk.disk.close()
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()

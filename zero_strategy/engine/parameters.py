@@ -126,7 +126,8 @@ def shard_module(module: nn.Module, config, comm: Optional[Collectives] = None,
     owner_of = {p: i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
     return ParameterSharder(module, comm or Collectives(), config.shard_modules, config.unit_min_params,
                             config.param_persistence_threshold, config.prefetch, device, config.master_dtype,
-                            owner_of)
+                            owner_of, offload_optimizer=config.offload_optimizer,
+                            offload_params=config.offload_params)
 
 
 def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], device: torch.device) -> None:
@@ -153,8 +154,11 @@ class ParameterSharder:
     def __init__(self, module: nn.Module, comm: Collectives, shard_modules: Sequence[Union[str, type]] = (),
                  min_unit_numel: int = 10_000_000, persist_numel: int = 100_000, prefetch: bool = True,
                  device: Optional[torch.device] = None, master_dtype: Optional[torch.dtype] = torch.float32,
-                 optimizer_of: Optional[dict[nn.Parameter, int]] = None) -> None:
+                 optimizer_of: Optional[dict[nn.Parameter, int]] = None, offload_optimizer: bool = False,
+                 offload_params: bool = False) -> None:
         self.module = module
+        self.offload_optimizer = offload_optimizer  # trainable groups keep their master in host memory
+        self.offload_params = offload_params  # sharded groups keep their shard in host memory
         self._optimizer_of = optimizer_of or {}
         self.comm = comm
         self.prefetch = prefetch
@@ -199,7 +203,9 @@ class ParameterSharder:
             _materialize(on_meta, owners, self._device or torch.device("cpu"))
         n, r = self.comm.world_size, self.comm.rank
         return [FlatGroup(ps, n, r, resident=resident, broadcast_from=self.comm,
-                          master_dtype=self._master_dtype if ps[0].requires_grad else None)
+                          master_dtype=self._master_dtype if ps[0].requires_grad else None,
+                          offload_master=self.offload_optimizer and ps[0].requires_grad,
+                          offload_shard=self.offload_params and not resident)
                 for ps in _split(params, self._optimizer_of)]
 
     @property
@@ -288,6 +294,10 @@ class ParameterSharder:
     def held_tensors(self) -> list[torch.Tensor]:
         """Parameter storage held now: every shard, and the full buffers of gathered or resident groups."""
         return [t for g in self.groups for t in (g.shard, g.buffer) if t is not None]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The parameter storage in host memory: the shards of ``offload_params``."""
+        return [g.shard for g in self.groups if g.offload_shard and g.shard is not None]
 
     # ---- whole state dicts, one unit at a time ---------------------------------------------
 

@@ -1,0 +1,348 @@
+"""Host (and disk) residency of the optimizer's side of training: master weights, gradients, state.
+
+[Note: where offloaded bytes live]
+With ``offload_optimizer`` the fp32 master shard (see [Note: master copies] in flat.py), the
+gradient shard the step reads, and the inner optimizer's state all live in host memory (pinned
+when the parameters are on CUDA, so copies to and from the device run asynchronously). The device
+keeps only the working weights and the staging buffers of the reductions in flight. On a CPU run
+the host *is* the device: the same copies happen, between two CPU tensors, so the CPU tests check
+exactly the code that runs on a GPU. fp32 parameters get a host master copy too (the device
+weights are the working copy), except at stage 3 with ``offload_params``, where the host shard is
+already fp32 and is its own master.
+
+[Note: stepping in tiles]
+The inner optimizer steps the pieces of a tile at a time: the pieces outside the tile have no
+``.grad`` during that call, and every torch optimizer skips those. Since the update is
+elementwise, several partial steps equal one whole step. After each tile its updated master
+pieces start their (non-blocking) copy to the device while the host steps the next tile, so the
+write-back overlaps the step.
+
+[Note: optimizer state on disk]
+With ``offload_dir`` each elementwise state tensor (Adam's moments, say) lives in a plain file per
+(flat group, state key) in a fresh folder of this run (``tempfile.mkdtemp``: a crashed run's
+leftovers are never read back, and nothing there is a checkpoint: state dicts go through
+``ZeroOptimizer.state_dict``). Only one-number state (``step``) stays in memory, in
+``inner.state[piece]``. A step reads a tile of ``offload_tile_mb`` from each file, steps it with a
+scratch optimizer of the user's class, and writes it back; one I/O thread reads the next tile and
+writes the previous one while the host steps the current one, so host memory holds three tiles.
+A tile may split a piece: each part starts from a copy of the piece's one-number state, and since
+those evolve the same way in every part (the step count and what derives from it) any part's
+result is the piece's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import tempfile
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+HOST = torch.device("cpu")
+
+FUSED_ON_CPU: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+"""Optimizers with a fused CPU kernel in torch (one pass over memory per tensor); the other elementwise
+ones get ``foreach`` (a few vectorised passes per list of tensors)."""
+
+
+def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host memory for ``numel`` elements, pinned when it is copied to and from a CUDA ``device``."""
+    return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=device.type == "cuda")
+
+
+def host_copy(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host (pinned for CUDA) copy of ``tensor`` in ``dtype``; always a new tensor."""
+    out = host_empty(tensor.numel(), dtype, device)
+    out.copy_(tensor.reshape(-1))
+    return out
+
+
+def wait_for_copies(device: torch.device) -> None:
+    """Block until the non-blocking copies queued on ``device`` are done (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def host_optimizer_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for ``cls`` stepping host tensors: fused (or foreach) unless the user chose.
+
+    An explicit ``fused`` or ``foreach`` in the user's optimizer is kept; ``capturable`` (a CUDA
+    graph option) is dropped, since the host step is never captured.
+    """
+    params = inspect.signature(cls.__init__).parameters
+    out = dict(kwargs)
+    if out.get("capturable"):
+        out["capturable"] = False
+    if out.get("fused") or out.get("foreach") is not None:
+        return out
+    if "fused" in params and issubclass(cls, FUSED_ON_CPU):
+        out["fused"] = True
+    elif "foreach" in params:
+        out["foreach"] = True
+    return out
+
+
+@dataclass(frozen=True)
+class TilePart:
+    """Elements ``[start, end)`` (of the rank's flat shard) of one piece, inside one tile."""
+
+    group: int
+    piece: int
+    start: int
+    end: int
+
+
+def plan_tiles(shard_ranges: Sequence[Sequence[tuple[int, int]]], tile_numel: int,
+               split_pieces: bool) -> list[list[TilePart]]:
+    """Cut the pieces (``shard_ranges[group][piece] = (start, end)``) into tiles of about
+    ``tile_numel`` elements, in order. Without ``split_pieces`` a piece larger than a tile is a
+    tile of its own; with it, every tile holds at most ``tile_numel`` elements."""
+    tiles: list[list[TilePart]] = []
+    current: list[TilePart] = []
+    used = 0
+    for gi, ranges in enumerate(shard_ranges):
+        for pi, (start, end) in enumerate(ranges):
+            if not split_pieces:
+                if current and used + (end - start) > tile_numel:
+                    tiles.append(current)
+                    current, used = [], 0
+                current.append(TilePart(gi, pi, start, end))
+                used += end - start
+                continue
+            while True:
+                if used >= tile_numel:
+                    tiles.append(current)
+                    current, used = [], 0
+                stop = min(end, start + tile_numel - used)
+                current.append(TilePart(gi, pi, start, stop))
+                used += stop - start
+                if stop >= end:
+                    break
+                start = stop
+    if current:
+        tiles.append(current)
+    return tiles
+
+
+class DiskState:
+    """Elementwise optimizer state in files, one per (flat group, state key): see [Note: optimizer
+    state on disk]. Offsets are in the rank's flat shard of the group."""
+
+    def __init__(self, folder: str, rank: int, shard_numels: Sequence[int]) -> None:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            self.folder = tempfile.mkdtemp(prefix=f"zero-rank{rank}-", dir=folder)
+        except OSError as err:
+            raise ValueError(f"offload_dir={folder!r} is not a folder this process can write to ({err}); "
+                             "pass a writable folder (on a fast local disk, an NVMe mount say).") from err
+        self.shard_numels = list(shard_numels)
+        self.files: dict[tuple[int, str], tuple[int, torch.dtype]] = {}  # (group, key) -> (fd, dtype)
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-io")
+        self._finalizer = weakref.finalize(self, DiskState._remove, self.files, self.folder, self._io)
+
+    @staticmethod
+    def _remove(files: dict, folder: str, io: ThreadPoolExecutor) -> None:
+        io.shutdown(wait=True)
+        for fd, _ in files.values():
+            os.close(fd)
+        files.clear()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        """Delete the files (also done when this object is collected, or at exit)."""
+        self._finalizer()
+
+    def nbytes(self) -> int:
+        """Bytes the files take (their full size)."""
+        return sum(self.shard_numels[gi] * dtype.itemsize for (gi, _), (_, dtype) in self.files.items())
+
+    def has(self, group: int, key: str) -> bool:
+        return (group, key) in self.files
+
+    def dtype(self, group: int, key: str) -> torch.dtype:
+        return self.files[(group, key)][1]
+
+    def _fd(self, group: int, key: str, dtype: torch.dtype) -> int:
+        entry = self.files.get((group, key))
+        if entry is None:
+            safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
+            path = os.path.join(self.folder, f"group{group}-{safe}.bin")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.ftruncate(fd, self.shard_numels[group] * dtype.itemsize)  # sparse until written
+            entry = self.files[(group, key)] = (fd, dtype)
+        if entry[1] != dtype:
+            raise ValueError(f"optimizer state {key!r} of flat group {group} arrived as {dtype} after {entry[1]}: "
+                             "disk offload keeps one dtype per state key and group.")
+        return entry[0]
+
+    def read(self, group: int, key: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (contiguous, host) with elements ``[start, start + out.numel())``."""
+        fd, dtype = self.files[(group, key)]
+        assert out.dtype == dtype and out.is_contiguous()
+        view = memoryview(out.view(torch.uint8).numpy())
+        offset, done = start * dtype.itemsize, 0
+        while done < len(view):  # a single call moves at most ~2 GiB
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"short read from the optimizer state file of {key!r} in {self.folder}")
+            done += n
+        return out
+
+    def write(self, group: int, key: str, start: int, values: torch.Tensor) -> None:
+        """Store ``values`` (host) as elements ``[start, start + values.numel())``."""
+        fd = self._fd(group, key, values.dtype)
+        view = memoryview(values.contiguous().view(torch.uint8).numpy())
+        offset, done = start * values.dtype.itemsize, 0
+        while done < len(view):
+            done += os.pwritev(fd, [view[done:]], offset + done)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the I/O thread (reads and writes in submission order)."""
+        return self._io.submit(fn, *args)
+
+
+def is_elementwise(value: Any) -> bool:
+    """State that has one entry per element (goes to disk); the rest is one number per piece."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+PieceKey = tuple[int, int]  # (flat group index, piece index)
+
+
+class DiskStepper:
+    """Steps the optimizer tile by tile, its elementwise state on disk: see [Note: optimizer state
+    on disk]. Tile coordinates are offsets in the rank's flat shard of each group."""
+
+    def __init__(self, disk: DiskState, tiles: list[list[TilePart]], cls: type, kwargs: dict[str, Any]) -> None:
+        self.disk = disk
+        self.tiles = tiles
+        self.cls = cls
+        self.kwargs = kwargs
+        self.keys: dict[PieceKey, set[str]] = {}  # the elementwise state each piece has on disk
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self, masters: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]],
+             grads: dict[PieceKey, torch.Tensor], state: dict[torch.Tensor, dict[str, Any]],
+             settings: Callable[[int, int], Optional[tuple[int, dict[str, Any]]]],
+             on_tile_done: Callable[[list[TilePart]], None]) -> None:
+        """One optimizer step of the pieces in ``grads`` (host gradients, shaped like the pieces).
+
+        ``settings(gi, pi)`` gives the piece's param group (index, hyperparameters), or None for a
+        piece this optimizer does not step. ``state`` is the inner optimizer's: one-number state
+        per master piece, updated once every tile is done.
+        """
+        tiles = [[p for p in tile if (p.group, p.piece) in grads and settings(p.group, p.piece) is not None]
+                 for tile in self.tiles]
+        tiles = [t for t in tiles if t]
+        if not tiles:
+            return
+        new_scalars: dict[PieceKey, dict[str, Any]] = {}
+        new_keys: dict[PieceKey, set[str]] = {}
+        writes: list[Future] = []
+        reading = self.disk.submit(self._read, tiles[0])
+        for n, parts in enumerate(tiles):
+            loaded = reading.result()
+            if n + 1 < len(tiles):  # read ahead while this tile steps: see [Note: optimizer state on disk]
+                reading = self.disk.submit(self._read, tiles[n + 1])
+            spans = self._spans(parts)
+            groups: dict[int, dict[str, Any]] = {}
+            scratch_state: dict[torch.Tensor, dict[str, Any]] = {}
+            tensors = []
+            for part in parts:
+                key = (part.group, part.piece)
+                lo, hi = part.start - offsets[part.group][part.piece], part.end - offsets[part.group][part.piece]
+                t = masters[part.group][part.piece][lo:hi]
+                t.grad = grads[key][lo:hi]
+                index, hyper = settings(*key)  # type: ignore[misc]
+                groups.setdefault(index, {**hyper, "params": []})["params"].append(t)
+                entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.get(masters[part.group][part.piece], {}).items()}
+                span_lo = spans[part.group][0]
+                for k in self.keys.get(key, ()):
+                    entry[k] = loaded[(part.group, k)][part.start - span_lo : part.end - span_lo]
+                if entry:
+                    scratch_state[t] = entry
+                tensors.append(t)
+            opt = self.cls(list(groups.values()), **self.kwargs)
+            for t, entry in scratch_state.items():
+                opt.state[t] = entry
+            opt.step()
+            for part, t in zip(parts, tensors):
+                t.grad = None
+                key = (part.group, part.piece)
+                span_lo, span_hi = spans[part.group]
+                for k, v in opt.state[t].items():
+                    if not is_elementwise(v):
+                        new_scalars.setdefault(key, {})[k] = v
+                        continue
+                    buf = loaded.get((part.group, k))
+                    if buf is None:  # state this tile's pieces did not have before the step
+                        buf = loaded[(part.group, k)] = torch.zeros(span_hi - span_lo, dtype=v.dtype)
+                    dst = buf[part.start - span_lo : part.end - span_lo]
+                    if dst.data_ptr() != v.data_ptr():
+                        dst.copy_(v.reshape(-1))
+                    new_keys.setdefault(key, set()).add(k)
+            for (gi, k), buf in loaded.items():
+                self.disk._fd(gi, k, buf.dtype)  # files are created here, never on the I/O thread
+            writes.append(self.disk.submit(self._write, loaded, {gi: lo for gi, (lo, _) in spans.items()}))
+            on_tile_done(parts)
+        for w in writes:
+            w.result()  # errors surface here, and the next step reads what this one wrote
+        for key, scalars in new_scalars.items():
+            state[masters[key[0]][key[1]]] = {**state.get(masters[key[0]][key[1]], {}), **scalars}
+        for key, keys in new_keys.items():
+            self.keys.setdefault(key, set()).update(keys)
+
+    @staticmethod
+    def _spans(parts: Sequence[TilePart]) -> dict[int, tuple[int, int]]:
+        """Per group, the range of the shard the tile covers (its parts are consecutive)."""
+        spans: dict[int, tuple[int, int]] = {}
+        for p in parts:
+            lo, hi = spans.get(p.group, (p.start, p.end))
+            spans[p.group] = (min(lo, p.start), max(hi, p.end))
+        return spans
+
+    def _read(self, parts: Sequence[TilePart]) -> dict[tuple[int, str], torch.Tensor]:
+        """The tile's span of every state file its pieces have (on the I/O thread)."""
+        out = {}
+        for gi, (lo, hi) in self._spans(parts).items():
+            keys = {k for p in parts if p.group == gi for k in self.keys.get((gi, p.piece), ())}
+            for k in sorted(keys):
+                out[(gi, k)] = self.disk.read(gi, k, lo, torch.empty(hi - lo, dtype=self.disk.dtype(gi, k)))
+        return out
+
+    def _write(self, loaded: dict[tuple[int, str], torch.Tensor], span_starts: dict[int, int]) -> None:
+        for (gi, k), buf in loaded.items():
+            self.disk.write(gi, k, span_starts[gi], buf)
+
+    # ---- whole state, for state dicts ------------------------------------------------------
+
+    def materialize(self, masters: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]],
+                    state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Put every piece's elementwise state from disk into ``state`` (host memory: the whole shard)."""
+        for (gi, k), (_, dtype) in list(self.disk.files.items()):
+            buf = self.disk.read(gi, k, 0, torch.empty(self.disk.shard_numels[gi], dtype=dtype))
+            for pi, t in enumerate(masters[gi]):
+                if k in self.keys.get((gi, pi), ()):
+                    off = offsets[gi][pi]
+                    state[t][k] = buf[off : off + t.numel()]
+
+    def spill(self, masters: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]],
+              state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Move every elementwise value of ``state`` to disk, keeping one-number state in memory."""
+        self.keys.clear()
+        for gi, tensors in enumerate(masters):
+            for pi, t in enumerate(tensors):
+                entry = state.get(t)
+                if not entry:
+                    continue
+                for k, v in list(entry.items()):
+                    if is_elementwise(v):
+                        self.disk.write(gi, k, offsets[gi][pi], v.detach().to(HOST).reshape(-1))
+                        self.keys.setdefault((gi, pi), set()).add(k)
+                        del entry[k]
