@@ -1,0 +1,222 @@
+"""zero_strategy.kernels on CPU: the torch references equal torch.optim, the public functions fall back
+to them, and the loader's source handling works without CUDA. (Kernels vs references: test_kernels_gpu.py.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from zero_strategy import kernels
+from zero_strategy.kernels import loader, reference
+
+SIZES = [0, 1, 3, 7, 8, 13, 129]  # not multiples of the vector width (4) or of 8, and empty
+
+
+def _tensors(seed: int, sizes=SIZES, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+
+
+def _run_torch(make_optimizer, params, grads_per_step):
+    params = [p.clone().requires_grad_(True) for p in params]
+    opt = make_optimizer(params)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params], opt
+
+
+ADAM_CASES = [
+    dict(cls=torch.optim.Adam, kw=dict(lr=1e-2)),
+    dict(cls=torch.optim.Adam, kw=dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, maximize=True)),
+    dict(cls=torch.optim.AdamW, kw=dict(lr=1e-2, weight_decay=0.05)),
+    dict(cls=torch.optim.AdamW, kw=dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)),
+]
+
+
+@pytest.mark.parametrize("case", ADAM_CASES, ids=lambda c: f"{c['cls'].__name__}-{c['kw']}")
+def test_adam_reference_equals_torch(case):
+    params, steps = _tensors(0), [_tensors(s + 1) for s in range(4)]
+    expected, _ = _run_torch(lambda ps: case["cls"](ps, **case["kw"]), params, steps)
+
+    kw = case["kw"]
+    beta1, beta2 = kw.get("betas", (0.9, 0.999))
+    ours = [p.clone() for p in params]
+    m, v = [torch.zeros_like(p) for p in ours], [torch.zeros_like(p) for p in ours]
+    for step, grads in enumerate(steps, start=1):
+        kernels.adam_step(ours, grads, m, v, [step] * len(ours), lr=kw["lr"], beta1=beta1, beta2=beta2,
+                          eps=kw.get("eps", 1e-8), weight_decay=kw.get("weight_decay", 0.0 if case["cls"] is torch.optim.Adam else 1e-2),
+                          decoupled=case["cls"] is torch.optim.AdamW, maximize=kw.get("maximize", False))
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_adam_per_tensor_steps_and_lowp_out():
+    # two tensors at different step counts: each gets its own bias correction, as in torch
+    params, grads = _tensors(1, [5, 9]), _tensors(2, [5, 9])
+    expected = []
+    for p, g, step in zip(params, grads, (1, 7)):
+        q = p.clone().requires_grad_(True)
+        opt = torch.optim.Adam([q], lr=0.1)
+        opt.state[q] = {"step": torch.tensor(float(step - 1)), "exp_avg": torch.full_like(p, 0.1),
+                        "exp_avg_sq": torch.full_like(p, 0.2)}
+        q.grad = g.clone()
+        opt.step()
+        expected.append(q.detach())
+    ours = [p.clone() for p in params]
+    outs = [torch.full((5,), float("nan"), dtype=torch.bfloat16), None]
+    kernels.adam_step(ours, grads, [torch.full_like(p, 0.1) for p in ours], [torch.full_like(p, 0.2) for p in ours],
+                      [torch.tensor(1.0), 7], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, lowp_out=outs)
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(outs[0], ours[0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kw", [dict(lr=0.1), dict(lr=0.1, momentum=0.9), dict(lr=0.05, momentum=0.9, dampening=0.1,
+                                weight_decay=0.01), dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.1,
+                                maximize=True)], ids=str)
+def test_sgd_reference_equals_torch(kw):
+    params, steps = _tensors(3), [_tensors(s + 10) for s in range(3)]
+    expected, opt = _run_torch(lambda ps: torch.optim.SGD(ps, **kw), params, steps)
+    ours, buffers = [p.clone() for p in params], None
+    for grads in steps:
+        buffers = kernels.sgd_step(ours, grads, buffers, lr=kw["lr"], momentum=kw.get("momentum", 0.0),
+                                   dampening=kw.get("dampening", 0.0), weight_decay=kw.get("weight_decay", 0.0),
+                                   nesterov=kw.get("nesterov", False), maximize=kw.get("maximize", False))
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if kw.get("momentum"):
+        for buf, p in zip(buffers, opt.param_groups[0]["params"]):
+            torch.testing.assert_close(buf, opt.state[p]["momentum_buffer"], rtol=0, atol=0)
+    else:
+        assert buffers == [None] * len(params)
+
+
+@pytest.mark.parametrize("scale", [0.5, torch.tensor([0.25])], ids=["float", "tensor"])
+def test_grad_scale_multiplies_the_gradient(scale):
+    params, grads = _tensors(4, [6, 11]), _tensors(5, [6, 11])
+    factor = float(scale) if not isinstance(scale, torch.Tensor) else float(scale.item())
+    bf16_grads = [g.to(torch.bfloat16) for g in grads]
+    a, b = [p.clone() for p in params], [p.clone() for p in params]
+    state = lambda: ([torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params])  # noqa: E731
+    kernels.adam_step(a, bf16_grads, *state(), [1, 1], lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, grad_scale=scale)
+    kernels.adam_step(b, [g.float() * factor for g in bf16_grads], *state(), [1, 1], lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert all(torch.equal(g.float(), h) for g, h in zip(grads, grads))  # grads untouched
+    c, d = [p.clone() for p in params], [p.clone() for p in params]
+    kernels.sgd_step(c, grads, None, lr=0.1, grad_scale=scale)
+    kernels.sgd_step(d, [g * factor for g in grads], None, lr=0.1)
+    for x, y in zip(c, d):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grad_norm_and_overflow(norm_type, dtype):
+    tensors = _tensors(6, dtype=dtype)
+    total, nonfinite = kernels.grad_norm_and_overflow(tensors, norm_type)
+    whole = torch.cat([t.float() for t in tensors])
+    norm = torch.linalg.vector_norm(whole, norm_type)
+    expected = norm if norm_type == float("inf") else norm.pow(norm_type)
+    assert total.dtype == torch.float32 and total.dim() == 0
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+    assert nonfinite.dtype == torch.bool and not nonfinite
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        poisoned = [t.clone() for t in tensors]
+        poisoned[3][2] = bad
+        assert kernels.grad_norm_and_overflow(poisoned, norm_type)[1]
+
+
+def test_grad_norm_of_nothing_is_zero():
+    total, nonfinite = kernels.grad_norm_and_overflow([torch.zeros(0)], device=torch.device("cpu"))
+    assert total.item() == 0 and not nonfinite
+    assert kernels.grad_norm_and_overflow([])[0].item() == 0
+
+
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_flatten_unflatten_round_trip_with_casts(flat_dtype):
+    tensors = [t.reshape(-1, 1) if t.numel() % 2 else t for t in _tensors(7)] + _tensors(8, [4, 5], torch.bfloat16)
+    flat = torch.full((sum(t.numel() for t in tensors) + 3,), float("nan"), dtype=flat_dtype)
+    kernels.flatten_into(tensors, flat)
+    assert torch.equal(flat[: -3], torch.cat([t.reshape(-1).to(flat_dtype) for t in tensors]))
+    back = [torch.full_like(t, float("nan")) for t in tensors]
+    kernels.unflatten_from(flat, back)
+    for t, b in zip(tensors, back):
+        assert torch.equal(b, t.to(flat_dtype).to(t.dtype))
+
+
+def test_flatten_with_offsets_and_bad_offsets():
+    a, b = torch.arange(3.0), torch.arange(2.0) + 10
+    flat = torch.zeros(10)
+    kernels.flatten_into([a, b], flat, offsets=[4, 0])
+    assert flat.tolist() == [10, 11, 0, 0, 0, 1, 2, 0, 0, 0]
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.flatten_into([a, b], flat, offsets=[8, 0])
+    with pytest.raises(ValueError, match="one offset per tensor"):
+        kernels.unflatten_from(flat, [a, b], offsets=[0])
+
+
+def test_mismatched_lists_are_named():
+    p = [torch.zeros(3)]
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] has 4 elements"):
+        kernels.adam_step(p, [torch.zeros(3)], [torch.zeros(4)], [torch.zeros(3)], [1], lr=1, beta1=0.9, beta2=0.9, eps=1)
+    with pytest.raises(ValueError, match="2 grads for 1 params"):
+        kernels.sgd_step(p, [torch.zeros(3)] * 2, None, lr=1)
+
+
+def test_optimizer_step_declines_on_cpu():
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = torch.optim.AdamW([p], lr=0.1)
+    assert kernels.optimizer_step(opt) is False
+    assert not opt.state and torch.equal(p.detach(), torch.ones(4))  # nothing changed
+
+
+def test_backend_switch(monkeypatch):
+    monkeypatch.setenv(loader.ENV_VAR, "torch")
+    assert kernels.backend() == "torch"
+    monkeypatch.setenv(loader.ENV_VAR, "cupy-please")
+    with pytest.raises(ValueError, match="ZERO_STRATEGY_KERNELS='cupy-please'"):
+        kernels.backend()
+    kernels.set_backend("auto")
+    try:
+        assert kernels.backend() == "auto"
+    finally:
+        kernels.set_backend(None)
+    with pytest.raises(ValueError, match="not one of"):
+        kernels.set_backend("fast")
+
+
+# ---- the loader, without CUDA -----------------------------------------------------------------
+
+def test_sources_are_found_and_prefixed_with_their_path():
+    stems = [p.stem for p in loader.source_files()]
+    assert stems == sorted(loader.KERNELS)
+    text = loader.read_source("fused_adam")
+    first, rest = text.split("\n", 1)
+    assert first == f'#line 1 "{loader.source_dir() / "fused_adam.cu"}"'
+    assert rest == (loader.source_dir() / "fused_adam.cu").read_text()
+    assert loader.with_line_directive("x", "C:\\a \"b\".cu").startswith('#line 1 "C:\\\\a \\"b\\".cu"\n')
+    assert "-std=c++17" in loader.compile_options()
+    with pytest.raises(FileNotFoundError, match="the sources are"):
+        loader.read_source("nope")
+
+
+def test_every_kernel_name_is_instantiated_in_its_source():
+    # CuPy looks kernels up by these names; each must be an explicit instantiation (or a plain kernel)
+    for stem, names in loader.KERNELS.items():
+        text = (loader.source_dir() / f"{stem}.cu").read_text()
+        macros = re.findall(r"#define (\w+)\(\w+, \w+\)", text)
+        for name in names:
+            base, _, args = name.partition("<")
+            if not args:
+                assert re.search(rf"__global__ void (__launch_bounds__\(\w+\) )?{base}\(", text), name
+                continue
+            types = [a.strip() for a in args.rstrip(">").split(",")]
+            explicit = rf"template __global__ void {base}<{', '.join(types)}>"
+            by_macro = any(re.search(rf"\b{macro}\({', '.join(types)}\)", text) for macro in macros)
+            assert re.search(re.escape(explicit), text) or by_macro, f"{stem}.cu does not instantiate {name}"
