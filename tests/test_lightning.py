@@ -16,13 +16,13 @@ import torch
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
 
 
-def launch(out: Path, strategy: str, *extra: str) -> list[dict]:
+def launch(out: Path, strategy: str, *extra: str, script: Path = SCRIPT) -> list[dict]:
     """Run the script as a user would (Lightning's popen launcher starts rank 1 itself)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *extra],
+    proc = subprocess.run([sys.executable, str(script), "--strategy", strategy, "--out", str(out), *extra],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]

@@ -1,0 +1,127 @@
+"""Sharded checkpoints through Lightning on 2 CPU processes: ModelCheckpoint (top-k, last) with
+checkpoint directories, exact resume, resharding, consolidation to one file, and a DDP file loaded
+into a ZeRO run. Against Lightning's DDP on the same seed and data (tests/scripts/checkpoint_run.py)."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zero_strategy import consolidate_checkpoint
+from zero_strategy.checkpoint import is_sharded_checkpoint
+
+from .test_lightning import launch
+
+SCRIPT = Path(__file__).parent / "scripts" / "checkpoint_run.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from checkpoint_run import TinyLM  # noqa: E402  (the script's LightningModule, for load_from_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@functools.lru_cache(maxsize=None)
+def run(root: Path, strategy: str, resume: str = "") -> tuple[Path, list[dict]]:
+    out = root / f"{strategy}-from-{Path(resume).parent.parent.name}" if resume else root / strategy
+    extra = ("--resume", resume) if resume else ()
+    return out, launch(out, strategy, *extra, script=SCRIPT)
+
+
+def assert_close_params(got: dict, want: dict, exact: bool = False) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        if exact:
+            assert torch.equal(got[name], value), name
+        else:
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.timeout(300)
+def test_model_checkpoint_writes_directories_and_keeps_top_k_and_last(root):
+    out, ranks = run(root, "zero3")
+    epochs = sorted(p.name for p in (out / "epochs").iterdir())
+    assert epochs == ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
+    best = [p.name for p in (out / "best").iterdir()]
+    assert best == [Path(ranks[0]["best"]).name]  # top-1: every older best was removed
+    for ckpt in [*(out / "epochs").iterdir(), *(out / "best").iterdir()]:
+        assert is_sharded_checkpoint(ckpt), ckpt
+        assert sorted(p.name for p in ckpt.iterdir()) == [
+            "index.json", "rank_00000.safetensors", "rank_00001.safetensors", "trainer_state.pt"]
+    assert not [p for p in out.rglob(".*")], "a partial or old directory was left behind"
+    ddp_out, ddp = run(root, "ddp")
+    for z, d in zip(ranks, ddp):
+        torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(d["losses"]), rtol=1e-5, atol=1e-7)
+        assert_close_params(z["params"], d["params"])
+
+
+@pytest.mark.timeout(300)
+def test_resume_at_the_same_stage_is_exact_and_at_another_stage_close(root):
+    out, full = run(root, "zero3")
+    ckpt = str(out / "epochs" / "epoch=0.ckpt")
+    _, same = run(root, "zero3", ckpt)
+    for r in range(2):
+        assert len(same[r]["losses"]) == 4
+        assert same[r]["losses"] == full[r]["losses"][4:]  # bit for bit
+        assert_close_params(same[r]["params"], full[r]["params"], exact=True)
+        assert same[r]["optim"]["param_groups"] == full[r]["optim"]["param_groups"]
+        for index, entry in full[r]["optim"]["state"].items():
+            assert_close_params(same[r]["optim"]["state"][index], entry, exact=True)
+    _, other = run(root, "zero2", ckpt)  # saved at stage 3, resumed at stage 2
+    for r in range(2):
+        torch.testing.assert_close(torch.tensor(other[r]["losses"]), torch.tensor(full[r]["losses"][4:]),
+                                   rtol=1e-6, atol=1e-6)
+        assert_close_params(other[r]["params"], full[r]["params"])
+
+
+@pytest.mark.timeout(300)
+def test_a_ddp_checkpoint_file_resumes_in_a_zero_run(root):
+    ddp_out, ddp = run(root, "ddp")
+    ckpt = ddp_out / "epochs" / "epoch=0.ckpt"
+    assert ckpt.is_file()  # DDP writes one file
+    _, zero = run(root, "zero1", str(ckpt))
+    for r in range(2):
+        torch.testing.assert_close(torch.tensor(zero[r]["losses"]), torch.tensor(ddp[r]["losses"][4:]),
+                                   rtol=1e-5, atol=1e-7)
+        assert_close_params(zero[r]["params"], ddp[r]["params"])
+
+
+@pytest.mark.timeout(300)
+def test_consolidated_file_equals_ddps_state_and_loads_anywhere(root, tmp_path):
+    out, zero = run(root, "zero3")
+    _, ddp = run(root, "ddp")
+    target, weights = tmp_path / "model.ckpt", tmp_path / "model.safetensors"
+    proc = subprocess.run(["zero-consolidate", str(out / "epochs" / "last.ckpt"), str(target),
+                           "--safetensors", str(weights)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" in proc.stdout
+    checkpoint = torch.load(target, weights_only=True)
+    state = checkpoint["state_dict"]
+    want = ddp[0]["params"]
+    assert list(state) == list(want)  # every key, in the module's order
+    assert "embed.weight" in state and "head.weight" in state  # tied: under both names
+    assert "frozen.weight" in state
+    assert_close_params(state, want)
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert checkpoint["global_step"] == 8 and checkpoint["epoch"] == 1
+    # the optimizer state in torch's own layout, as DDP's optimizer holds it
+    ddp_optim = ddp[0]["optim"]
+    assert checkpoint["optimizer_states"][0]["param_groups"] == ddp_optim["param_groups"]
+    for index, entry in ddp_optim["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(checkpoint["optimizer_states"][0]["state"][index][key], value,
+                                       rtol=1e-5, atol=1e-6)
+    model = TinyLM.load_from_checkpoint(target)
+    assert_close_params(model.state_dict(), want)
+    assert model.head.weight is model.embed.weight
+    assert_close_params(load_file(weights), want)
+    # the same through the Python API, without the optimizer
+    lean = consolidate_checkpoint(out / "epochs" / "last.ckpt", tmp_path / "lean.ckpt", weights_only=True)
+    assert "optimizer_states" not in torch.load(lean, weights_only=True)
