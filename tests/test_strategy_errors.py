@@ -105,3 +105,14 @@ def test_single_device_fit_trains():
     trainer.fit(model)
     assert trainer.global_step == 2
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_unknown_state_dict_type_is_refused():
+    with pytest.raises(ValueError, match=r"state_dict_type='fsdp' is not one of \('sharded', 'full'\)"):
+        ZeroStrategy(state_dict_type="fsdp")
+
+
+def test_storage_options_are_refused_for_sharded_checkpoints(tmp_path):
+    strategy = ZeroStrategy()
+    with pytest.raises(TypeError, match="storage_options=.* is not supported by sharded checkpoints"):
+        strategy.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"compress": True})
