@@ -1,0 +1,185 @@
+"""The CUDA kernels against their torch references, on a GPU with CuPy (skipped elsewhere).
+
+Every output is poisoned (NaN) before each kernel run, so an element the kernel forgets shows up.
+Run with benchmarks/gpu_check.sh, or: PYTHONPATH=. python -m pytest tests/test_kernels_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zero_strategy import kernels
+from zero_strategy.kernels import reference
+from zero_strategy.kernels.loader import cupy_module
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or cupy_module() is None,
+                                reason="needs a CUDA device and CuPy")
+
+SIZES = [0, 1, 7, 4097, (1 << 20) + 3]
+GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+OUT_DTYPES = [None, torch.bfloat16, torch.float16]
+NAN = float("nan")
+
+
+def _randn(n, seed, dtype=torch.float32, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(n, generator=gen, device="cuda") * scale).to(dtype)
+
+
+def _poisoned_like(tensors, dtype=None):
+    return [None if t is None else torch.full_like(t, NAN, dtype=dtype or t.dtype) for t in tensors]
+
+
+def _copy_into(dsts, srcs):
+    for d, s in zip(dsts, srcs):
+        if d is not None:
+            d.copy_(s)
+
+
+def _close(a, b, dtype=torch.float32):
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(a, b, equal_nan=False, **tol)
+
+
+def test_kernels_are_used_here():
+    assert kernels.available(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+def test_adam_kernel_matches_reference(grad_dtype, out_dtype, decoupled):
+    params = [_randn(n, i) for i, n in enumerate(SIZES)]
+    grads = [_randn(n, 100 + i, grad_dtype) for i, n in enumerate(SIZES)]
+    m0 = [_randn(n, 200 + i, scale=0.1) for i, n in enumerate(SIZES)]
+    v0 = [_randn(n, 300 + i).abs() * 0.01 for i, n in enumerate(SIZES)]
+    steps = [1, 2, 5, 10, 1000]  # per-tensor step counts
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=decoupled,
+                 grad_scale=torch.tensor(0.5, device="cuda"))
+    results = []
+    for fn in (kernels.adam_step, reference.adam_step):
+        p, m, v = _poisoned_like(params), _poisoned_like(m0), _poisoned_like(v0)  # poison, then fill
+        _copy_into(p, params), _copy_into(m, m0), _copy_into(v, v0)
+        outs = [torch.full_like(x, NAN, dtype=out_dtype) for x in params] if out_dtype else None
+        fn(p, grads, m, v, steps, lowp_out=outs, **hyper)
+        results.append((p, m, v, outs))
+    (p, m, v, outs), (rp, rm, rv, routs) = results
+    for a, b in zip(p + m + v, rp + rm + rv):
+        _close(a, b)
+    if out_dtype is not None:
+        for a, b in zip(outs, routs):
+            _close(a.float(), b.float(), out_dtype)
+            assert not a.isnan().any()
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("options", [dict(momentum=0.0), dict(momentum=0.9, dampening=0.1, weight_decay=0.01),
+                                     dict(momentum=0.9, nesterov=True, maximize=True)], ids=str)
+def test_sgd_kernel_matches_reference(grad_dtype, out_dtype, options):
+    params = [_randn(n, i) for i, n in enumerate(SIZES)]
+    grads = [_randn(n, 100 + i, grad_dtype) for i, n in enumerate(SIZES)]
+    bufs0 = [None, None] + [_randn(n, 200 + i) for i, n in enumerate(SIZES[2:])]  # first step for two tensors
+    results = []
+    for fn in (kernels.sgd_step, reference.sgd_step):
+        p = _poisoned_like(params)
+        _copy_into(p, params)
+        bufs = _poisoned_like(bufs0)
+        _copy_into(bufs, bufs0)
+        outs = [torch.full_like(x, NAN, dtype=out_dtype) for x in params] if out_dtype else None
+        new_bufs = fn(p, grads, bufs, lr=0.1, grad_scale=2.0, lowp_out=outs, **options)
+        results.append((p, new_bufs, outs))
+    (p, bufs, outs), (rp, rbufs, routs) = results
+    for a, b in zip(p, rp):
+        _close(a, b)
+    for a, b in zip(bufs, rbufs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            _close(a, b)
+    for a, b in zip(outs or (), routs or ()):
+        _close(a.float(), b.float(), out_dtype)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.bfloat16], [torch.float16],
+                                    [torch.float32, torch.bfloat16, torch.float16]], ids=str)
+def test_grad_norm_kernel_matches_reference(dtypes, norm_type):
+    tensors = [_randn(n, i, dtypes[i % len(dtypes)]) for i, n in enumerate(SIZES)]
+    total, nonfinite = kernels.grad_norm_and_overflow(tensors, norm_type)
+    expected, expected_bad = reference.grad_norm_and_overflow(tensors, norm_type)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+    assert not nonfinite and not expected_bad
+    again, _ = kernels.grad_norm_and_overflow(tensors, norm_type)
+    assert torch.equal(total, again)  # deterministic
+    for bad in (NAN, float("inf")):
+        poisoned = [t.clone() for t in tensors]
+        poisoned[-1][12345] = bad
+        assert kernels.grad_norm_and_overflow(poisoned, norm_type)[1].item()
+
+
+@pytest.mark.parametrize("flat_dtype", GRAD_DTYPES, ids=str)
+def test_bucket_copies_match_reference(flat_dtype):
+    tensors = [_randn(n, i, GRAD_DTYPES[i % 3]) for i, n in enumerate(SIZES)]
+    offsets, at = [], 3  # odd offsets: unaligned slices take the scalar path
+    for t in tensors:
+        offsets.append(at)
+        at += t.numel() + 5
+    flat, expected = (torch.full((at,), NAN, dtype=flat_dtype, device="cuda") for _ in range(2))
+    kernels.flatten_into(tensors, flat, offsets)
+    reference.flatten_into(tensors, expected, offsets)
+    for t, off in zip(tensors, offsets):
+        assert torch.equal(flat[off : off + t.numel()], expected[off : off + t.numel()])
+    back, expected_back = _poisoned_like(tensors), _poisoned_like(tensors)
+    kernels.unflatten_from(flat, back, offsets)
+    reference.unflatten_from(flat, expected_back, offsets)
+    for a, b in zip(back, expected_back):
+        assert torch.equal(a, b)
+
+
+def test_bf16_rounding_and_nan_match_torch():
+    x = torch.tensor([1.0, 1.00390625, 1.01171875, -3.3e38, 3.4e38, NAN, float("inf"), 1e-40], device="cuda")
+    flat = torch.empty(8, dtype=torch.bfloat16, device="cuda")
+    kernels.flatten_into([x], flat)
+    assert torch.equal(flat.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd", "sgd_nesterov"])
+def test_optimizer_step_matches_torch_optim(kind):
+    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95)),
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1)}[kind]
+    init = [_randn(n, i) for i, n in enumerate([5, 4097, 1000])]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    theirs = [torch.nn.Parameter(t.clone()) for t in init]
+    opt_ours, opt_theirs = make(ours), make(theirs)
+    for step in range(3):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            g = None if (step == 0 and i == 1) else _randn(a.numel(), 10 * step + i)  # torch skips grad None
+            a.grad, b.grad = g, None if g is None else g.clone()
+        assert kernels.optimizer_step(opt_ours) is True
+        opt_theirs.step()
+    for a, b in zip(ours, theirs):
+        _close(a.detach(), b.detach())
+        sa, sb = opt_ours.state[a], opt_theirs.state[b]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert sa[key].dtype == sb[key].dtype and sa[key].device == sb[key].device
+            _close(sa[key], sb[key])
+    opt_ours.step()  # torch carries on from the state the kernels left
+
+
+def test_optimizer_step_declines_what_it_does_not_reproduce():
+    p = torch.nn.Parameter(_randn(8, 0))
+    p.grad = _randn(8, 1)
+    assert kernels.optimizer_step(torch.optim.Adam([p], amsgrad=True)) is False
+    assert kernels.optimizer_step(torch.optim.RMSprop([p])) is False
+    opt = torch.optim.Adam([p])
+    opt.register_step_post_hook(lambda *a: None)
+    assert kernels.optimizer_step(opt) is False
+    kernels.set_backend("torch")
+    try:
+        assert kernels.optimizer_step(torch.optim.Adam([p])) is False
+    finally:
+        kernels.set_backend(None)
