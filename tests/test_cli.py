@@ -50,10 +50,11 @@ def check_finished_run(run_dir, stage: int, steps: int) -> list[dict]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3", "zero3_offload"])  # zero2: the shared run
 def test_each_strategy_preset_trains_on_two_processes(tmp_path, strategy):
     proc = zero_train(tmp_path, *SMOKE, f"strategy={strategy}", f"hydra.run.dir={tmp_path / 'run'}")
-    ranks = check_finished_run(tmp_path / "run", stage={"ddp": 0, "zero1": 1, "zero3": 3}[strategy], steps=6)
+    stage = {"ddp": 0, "zero1": 1, "zero3": 3, "zero3_offload": 3}[strategy]
+    ranks = check_finished_run(tmp_path / "run", stage=stage, steps=6)
     if strategy == "zero1":  # each rank holds half of Adam's state; DDP holds all of it
         n = ranks[0]["memory"]["num_params"]
         assert ranks[0]["memory"]["formula"]["optimizer_states"] == 8 * n // 2
@@ -98,7 +99,8 @@ def test_multirun_launches_each_jobs_ranks_in_its_own_folder(tmp_path):
 
 BAD = {
     "unknown strategy": (["strategy=zero9"], ["Could not find 'strategy/zero9'",  # Hydra's
-                                              "Available: ddp, zero1, zero2, zero3", "Did you mean strategy=zero"]),
+                                              "Available: ddp, zero1, zero2, zero2_offload, zero3, zero3_offload",
+                                              "Did you mean strategy=zero"]),
     "unknown key": (["trainer.max_stepz=5"], ["Key 'max_stepz' is not in struct", "Did you mean trainer.max_steps"]),
     "wrong type": (["trainer.max_steps=ten"], ["trainer.max_steps='ten' (str) does not fit",
                                                "lightning.pytorch.Trainer's max_steps: int"]),

@@ -39,7 +39,7 @@ def composed(tmp_path, *overrides: str, config_name: str = "train"):
 
 def test_every_group_has_options():
     options = {group: group_options(group) for group in GROUPS}
-    assert options["strategy"] == ["ddp", "zero1", "zero2", "zero3"]  # offload: only once the strategy runs it
+    assert options["strategy"] == ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
     assert {"gpt", "gpt2", "bert", "mlp"} <= set(options["model"])
     assert {"stdlib", "text", "synthetic", "gaussian", "corrupted_source"} <= set(options["data"])
     assert {"default", "cpu", "gpu", "multi_node"} <= set(options["trainer"])
@@ -75,7 +75,9 @@ def test_compose_and_instantiate(tmp_path, text_file, group, option):
         strategy = instantiate(cfg.strategy)
         assert isinstance(strategy, Strategy)
         if option.startswith("zero"):
-            assert isinstance(strategy, ZeroStrategy) and strategy.config.stage == int(option[-1])
+            assert isinstance(strategy, ZeroStrategy) and strategy.config.stage == int(option[4])
+            assert strategy.config.offload_optimizer == option.endswith("_offload")
+            assert strategy.config.offload_params == (option == "zero3_offload")
         else:
             assert isinstance(strategy, DDPStrategy)
     elif group == "trainer":

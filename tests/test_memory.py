@@ -23,10 +23,24 @@ def test_estimate_reproduces_the_papers_worked_example():
 
 
 def test_estimate_splits_by_key_and_location():
+    est = estimate_memory(1000, stage=2, world_size=4, precision="16-mixed")
+    assert (est["params"], est["grads"], est["master_params"], est["optimizer_states"]) == (2000, 500, 1000, 2000)
+    assert est["device"] == est["total"] == 5500 and est["host"] == est["disk"] == 0
+    # offloaded, the gradient shard the step reads is on the host, in the fp32 master's dtype
     est = estimate_memory(1000, stage=2, world_size=4, precision="16-mixed", offload_optimizer=True)
-    assert est["params"] == 2000 and est["grads"] == 500
+    assert est["params"] == 2000 and est["grads"] == 1000
     assert est["master_params"] == 1000 and est["optimizer_states"] == 2000
-    assert est["host"] == 3000 and est["device"] == 2500 and est["total"] == 5500
+    assert est["host"] == 4000 and est["device"] == 2000 and est["total"] == 6000
+    # stage 1 keeps autograd's full gradient on the device too; fp32 weights get a host master copy
+    est = estimate_memory(1000, stage=1, world_size=4, precision="32-true", offload_optimizer=True)
+    assert (est["params"], est["grads"], est["master_params"]) == (4000, 4000 + 1000, 1000)
+    assert est["device"] == 8000 and est["host"] == 1000 + 1000 + 2000
+    # on disk: the optimizer state; stage 3 with parameter offload: nothing on the device between uses
+    est = estimate_memory(1000, stage=3, world_size=2, precision="32-true", offload_optimizer=True,
+                          offload_params=True, offload_disk=True)
+    assert est["disk"] == est["optimizer_states"] == 4000 and est["device"] == 0
+    assert est["master_params"] == 0  # the fp32 host shard is its own master
+    assert est["host"] == est["params"] + est["grads"] == 4000
     fp32 = estimate_memory(1000, stage=1, world_size=2)
     assert (fp32["params"], fp32["grads"], fp32["optimizer_states"], fp32["master_params"]) == (4000, 4000, 4000, 0)
 
@@ -37,6 +51,8 @@ def test_estimate_splits_by_key_and_location():
     ({"num_params": 10, "world_size": 0}, "world_size=0"),
     ({"num_params": 10, "precision": "fp8"}, "precision='fp8'.*32-true"),
     ({"num_params": 10, "stage": 2, "offload_params": True}, "offload_params=True needs stage 3"),
+    ({"num_params": 10, "stage": 0, "offload_optimizer": True}, "offload needs a ZeRO stage"),
+    ({"num_params": 10, "stage": 2, "offload_disk": True}, "offload_disk=True .* needs offload_optimizer=True"),
 ])
 def test_estimate_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -195,3 +195,14 @@ def test_estimate_places_offloaded_bytes():
     assert est["disk"] == est["optimizer_states"] == 4000
     assert est["device"] == 0  # everything sharded lives off the device between uses
     assert est["total"] == est["device"] + est["host"] + est["disk"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["zero_stage_3_offload"])  # optimizer and parameter offload; ~40 s
+def test_registered_offload_strategies_match_ddp_through_the_trainer(tmp_path, strategy):
+    # tests/scripts/lightning_run.py: fit with validation, a scheduler, a frozen layer, two param groups
+    from .test_lightning import assert_same_run, ddp_run, launch
+
+    zero = launch(tmp_path / "zero", strategy)
+    assert all(z["memory"]["host"] > 0 for z in zero)
+    assert_same_run(zero, ddp_run(str(tmp_path)))

@@ -54,11 +54,12 @@ def estimate_rows(num_params: int, world_size: int, precision: str, offload: boo
     rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision)}
             for s in (0, 1, 2, 3)]
     if offload:
-        variants = [(2, "optimizer", True, False), (3, "optimizer", True, False), (3, "opt+params", True, True)]
+        variants = [(2, "optimizer", False, False), (3, "optimizer", False, False), (3, "opt+params", True, False),
+                    (3, "disk+params", True, True)]  # the presets zero2_offload, zero3_offload (+ offload_dir)
         rows += [{"stage": s, "offload": name,
-                  "estimate": estimate_memory(num_params, s, world_size, precision, offload_optimizer=opt,
-                                              offload_params=par)}
-                 for s, name, opt, par in variants]
+                  "estimate": estimate_memory(num_params, s, world_size, precision, offload_optimizer=True,
+                                              offload_params=par, offload_disk=disk)}
+                 for s, name, par, disk in variants]
     return rows
 
 

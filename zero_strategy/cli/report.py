@@ -53,9 +53,15 @@ def print_memory_table(measured: Sequence[Mapping[str, int]], formula: Mapping[s
     table.add_column("source")
     for key in (*KEYS, "total"):
         table.add_column(LABELS[key], justify="right")
+    offloaded = any(row.get("host", 0) or row.get("disk", 0) for row in measured)
+    places = ("device", "host", "disk") if offloaded else ()
+    for place in places:
+        table.add_column(f"on {place}", justify="right")
+    formula_places = formula.get("host", 0) or formula.get("disk", 0)  # computed with the offload settings
     for rank, row in enumerate(measured):
-        table.add_row(str(rank), "measured", *(format_bytes(row[k]) for k in (*KEYS, "total")))
+        table.add_row(str(rank), "measured", *(format_bytes(row[k]) for k in (*KEYS, "total", *places)))
         table.add_row("", "ZeRO formula", *(format_bytes(formula[k]) for k in (*KEYS, "total")),
+                      *(format_bytes(formula[p]) if formula_places else "" for p in places),
                       end_section=rank == len(measured) - 1 or None)
     console().print(table)
     console().print("measured: live tensors, each storage once (memory_stats). formula: estimate_memory, the "
@@ -87,15 +93,20 @@ def print_estimates(rows: Sequence[Mapping[str, Any]], num_params: int, world_si
     if show_host:
         table.add_column("on device", justify="right")
         table.add_column("on host", justify="right")
+        table.add_column("on disk", justify="right")
     for row in rows:
         est = row["estimate"]
         stage = f"{row['stage']}" + (" *" if row["stage"] == configured_stage and not row["offload"] else "")
         cells = [stage, row["offload"] or "-", *(format_bytes(est[k]) for k in (*KEYS, "total"))]
         if show_host:
-            cells += [format_bytes(est["device"]), format_bytes(est["host"])]
+            cells += [format_bytes(est["device"]), format_bytes(est["host"]), format_bytes(est["disk"])]
         table.add_row(*cells)
     console().print(table)
     if configured_stage is not None:
         console().print("* the configured strategy's stage. ", end="")
     console().print("Stage 0 is plain data parallelism (DDP). Activations, temporary buffers and the "
                     "framework's own memory come on top of these model states.")
+    if show_host:
+        console().print("Offloaded: the fp32 master, the optimizer state and the gradient shard live in host "
+                        "memory (a copy of the master even for fp32 weights); opt+params also the parameter "
+                        "shards; disk+params also puts the optimizer state in offload_dir files.")

@@ -21,9 +21,10 @@ unsharded state dict is the same as without offload.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -387,15 +388,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ---- state dict: the unsharded layout of the user's optimizer ---------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def materialized_state(self) -> Iterator[None]:
+        """Inside the block ``inner.state[piece]`` holds every piece's whole state, as without disk
+        offload (read from the files into host memory: this rank's whole shard of it); after it, the
+        state goes back to the files, with any change made inside. Without disk offload: nothing to do.
+        For code that reads ``inner.state`` directly (checkpoints): see [Note: offloaded step]."""
         if self._disk is None:
-            return consolidate_state(self)
+            yield
+            return
         offsets = [[p.shard_offset for p in g.pieces] for g in self.groups]
-        self._disk.materialize(self._pieces, offsets, self.inner.state)  # see [Note: offloaded step]
+        self._disk.materialize(self._pieces, offsets, self.inner.state)
         try:
-            return consolidate_state(self)
+            yield
         finally:
             self._disk.spill(self._pieces, offsets, self.inner.state)
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.materialized_state():
+            return consolidate_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         shard_state(self, state_dict)
