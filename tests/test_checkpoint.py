@@ -36,11 +36,11 @@ def _data(step: int, world_size: int, rank: int) -> tuple[torch.Tensor, torch.Te
     return batch(step, rank)
 
 
-def _build(stage: int, seed: int = 0):
+def _build(stage: int, seed: int = 0, dtype: torch.dtype = torch.float32):
     torch.manual_seed(seed)
-    model = OddMLP()
+    model = OddMLP().to(dtype)
     config = ZeroConfig(stage=stage, bucket_cap_mb=TINY_BUCKET_MB, shard_modules=("Linear",),
-                        param_persistence_threshold=0)
+                        param_persistence_threshold=0)  # master_weights: fp32 masters of bf16 weights
     user_opt = make_optimizer("adam", param_groups(model))
     sharder = shard_module(model, config) if stage == 3 else None
     return model, ZeroOptimizer(user_opt, config, sharder=sharder), sharder
@@ -48,8 +48,9 @@ def _build(stage: int, seed: int = 0):
 
 def _train(model, opt, world_size: int, rank: int, start: int, stop: int) -> list[float]:
     losses = []
+    dtype = next(model.parameters()).dtype
     for step in range(start, stop):
-        x, y = _data(step, world_size, rank)
+        x, y = (t.to(dtype) for t in _data(step, world_size, rank))
         loss = F.mse_loss(model(x, step, 0), y)  # rank 0's modules on every rank: the same units run
         opt.zero_grad()
         loss.backward()
@@ -67,8 +68,8 @@ def _save(path: Path, model, opt, sharder, stage: int) -> None:
     save_sharded(path, {"global_step": SAVE_AT, "optimizer_states": [{}]}, model, [opt], sharder, Collectives(), stage)
 
 
-def _load(path: Path, stage: int):
-    model, opt, sharder = _build(stage, seed=1)  # other weights: everything must come from the checkpoint
+def _load(path: Path, stage: int, dtype: torch.dtype = torch.float32):
+    model, opt, sharder = _build(stage, seed=1, dtype=dtype)  # other weights: all must come from the checkpoint
     reader = CheckpointReader(path)
     saved = reader.trainer_state()["zero_checkpoint"]
     load_model(reader, saved, model, flat_groups([opt], sharder))
@@ -148,6 +149,32 @@ def test_any_world_size_and_stage_loads_any_other(tmp_path):
             elif name.startswith(f"w{world_size}"):  # a 1-rank loss is over both ranks' batches
                 torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(saved["losses"]),
                                            rtol=1e-6, atol=1e-6)
+
+
+def _mixed_precision_resume(rank: int, world_size: int, folder: str) -> dict:
+    out = {}
+    for stage in (2, 3):
+        path = Path(folder) / f"bf16-s{stage}"
+        model, opt, sharder = _build(stage, dtype=torch.bfloat16)
+        _train(model, opt, world_size, rank, 0, SAVE_AT)
+        _save(path, model, opt, sharder, stage)
+        masters = [g.master_shard.clone() for g in opt.groups]
+        uninterrupted = _train(model, opt, world_size, rank, SAVE_AT, STOP)
+        model2, opt2 = _load(path, stage, dtype=torch.bfloat16)
+        out[stage] = {"masters": masters, "loaded_masters": [g.master_shard.clone() for g in opt2.groups],
+                      "losses": uninterrupted, "resumed": _train(model2, opt2, world_size, rank, SAVE_AT, STOP)}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_mixed_precision_resume_restores_the_fp32_masters_exactly(tmp_path):
+    # the masters are saved beside the bf16 weights, so a resume does not round them to bf16
+    for result in run_distributed(_mixed_precision_resume, 2, str(tmp_path)):
+        for stage, run in result.items():
+            assert all(m.dtype == torch.float32 for m in run["masters"])
+            for got, want in zip(run["loaded_masters"], run["masters"]):
+                assert torch.equal(got, want), stage
+            assert run["resumed"] == run["losses"], stage
 
 
 def _failing_save(rank: int, world_size: int, folder: str) -> dict:

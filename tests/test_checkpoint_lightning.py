@@ -82,11 +82,12 @@ def test_resume_at_the_same_stage_is_exact_and_at_another_stage_close(root):
 
 
 @pytest.mark.timeout(300)
-def test_a_ddp_checkpoint_file_resumes_in_a_zero_run(root):
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_a_ddp_checkpoint_file_resumes_in_a_zero_run(root, strategy):
     ddp_out, ddp = run(root, "ddp")
     ckpt = ddp_out / "epochs" / "epoch=0.ckpt"
     assert ckpt.is_file()  # DDP writes one file
-    _, zero = run(root, "zero1", str(ckpt))
+    _, zero = run(root, strategy, str(ckpt))
     for r in range(2):
         torch.testing.assert_close(torch.tensor(zero[r]["losses"]), torch.tensor(ddp[r]["losses"][4:]),
                                    rtol=1e-5, atol=1e-7)
