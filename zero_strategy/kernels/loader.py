@@ -138,8 +138,17 @@ def get_kernel(stem: str, name: str, device: torch.device) -> Any:
     and device]."""
     if name not in KERNELS.get(stem, ()):
         raise KeyError(f"{stem}.cu has no kernel {name!r}; it has {KERNELS.get(stem)}.")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _module(stem, index).get_function(name)
+    return _kernel(stem, name, _index(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(stem: str, name: str, device_index: int) -> Any:
+    with cupy_module().cuda.Device(device_index):  # a module's functions belong to the device it loaded on
+        return _module(stem, device_index).get_function(name)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _cupy_stream(device: torch.device) -> Any:
@@ -157,5 +166,5 @@ def launch(stem: str, name: str, device: torch.device, grid: int, block: int, ar
         return
     cupy = cupy_module()
     kernel = get_kernel(stem, name, device)
-    with cupy.cuda.Device(device.index), _cupy_stream(device):
+    with cupy.cuda.Device(_index(device)), _cupy_stream(device):
         kernel((grid,), (block,), tuple(args))
