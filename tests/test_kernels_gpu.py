@@ -137,11 +137,15 @@ def test_bucket_copies_match_reference(flat_dtype):
         assert torch.equal(a, b)
 
 
-def test_bf16_rounding_and_nan_match_torch():
-    x = torch.tensor([1.0, 1.00390625, 1.01171875, -3.3e38, 3.4e38, NAN, float("inf"), 1e-40], device="cuda")
-    flat = torch.empty(8, dtype=torch.bfloat16, device="cuda")
-    kernels.flatten_into([x], flat)
-    assert torch.equal(flat.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+def test_bf16_and_fp16_rounding_match_torch():
+    # ties to even, overflow to inf, subnormals; NaN stays NaN (torch's CUDA cast gives 0x7FFF, ours 0x7FC0)
+    x = torch.tensor([1.0, 1.00390625, 1.01171875, -3.3e38, 3.4e38, 65520.0, float("inf"), 1e-40, 3e-8, NAN],
+                     device="cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        flat = torch.empty(x.numel(), dtype=dtype, device="cuda")
+        kernels.flatten_into([x], flat)
+        assert torch.equal(flat[:-1].view(torch.int16), x[:-1].to(dtype).view(torch.int16)), dtype
+        assert flat[-1].isnan()
 
 
 @pytest.mark.parametrize("kind", ["adam", "adamw", "sgd", "sgd_nesterov"])
