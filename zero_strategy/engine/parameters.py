@@ -14,6 +14,10 @@ frozen weights are gathered but never reduced.
   with grad enabled, a hook on the module's outputs gathers it again when backward reaches them.
 - backward: the unit is released once all its trainable parameters have handed over their
   gradients (the gradient reducer says so), or when backward ends.
+- recomputation: a unit's forward run *during* backward (non-reentrant activation checkpointing
+  recomputes a checkpointed module that contains units) gathers it but neither releases it nor
+  counts as forward order: the unit's own backward comes next, and its gradients' hand-over
+  releases it. Released there, its parameters would be empty when its gradients accumulate.
 - root: gathered by the top module's pre-forward hook (and by ``hold_root`` around a training
   step) and kept until backward ends, since its parameters may be used anywhere in the step.
 - prefetch: each unit remembers which unit ran after it (and before it) last time; entering a unit
@@ -65,6 +69,11 @@ def _split(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) ->
     for p in params:
         runs.setdefault((p.dtype, p.device, p.requires_grad, owner_of.get(p, -1)), []).append(p)
     return list(runs.values())
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (recomputation runs forwards there)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _matches(module: nn.Module, shard_modules: Sequence[Union[str, type]]) -> bool:
@@ -245,7 +254,7 @@ class ParameterSharder:
     def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
         self.gather(unit)
         unit.users += 1
-        if unit is not self.root:
+        if unit is not self.root and not _in_backward():  # see [Note: when units are gathered]
             if self._last is not None and self._last is not unit:
                 self._next_of[id(self._last)] = unit
                 self._prev_of[id(unit)] = self._last
@@ -254,6 +263,8 @@ class ParameterSharder:
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
         unit.users -= 1
+        if _in_backward():
+            return  # a recomputation: see [Note: when units are gathered]
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
