@@ -311,7 +311,10 @@ def _emulate(stem, name, device, grid, block, args):
 def emulated_device(monkeypatch):
     from zero_strategy.kernels import ops
 
+    from zero_strategy.kernels import optimizer
+
     monkeypatch.setattr(ops, "available", lambda t: True)
+    monkeypatch.setattr(optimizer, "available", lambda t: True)
     monkeypatch.setattr(ops, "launch", _emulate)
 
 
@@ -365,3 +368,29 @@ def test_launch_path_grad_norm_and_copies(emulated_device, norm_type):
     kernels.unflatten_from(flat, back, offsets)
     for t, b, off in zip(tensors, back, offsets):
         torch.testing.assert_close(b, flat[off : off + t.numel()].to(t.dtype), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01),
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.9), maximize=True),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)],
+                         ids=["adam", "adamw", "sgd"])
+def test_launch_path_optimizer_step_keeps_torch_state(emulated_device, make):
+    init = _tensors(40, [5, 20000, 3])
+    ours, theirs = [torch.nn.Parameter(t.clone()) for t in init], [torch.nn.Parameter(t.clone()) for t in init]
+    opt_ours, opt_theirs = make(ours), make(theirs)
+    outs = {p: torch.full_like(p, float("nan"), dtype=torch.bfloat16) for p in ours}
+    for step in range(3):
+        grads = _tensors(41 + step, [5, 20000, 3])
+        bf16 = {p: (g * 4).bfloat16() for p, g, i in zip(ours, grads, range(3)) if not (step == 0 and i == 1)}
+        for p, g in zip(theirs, grads):  # torch gets the same values: the bf16 gradient, unscaled
+            p.grad = None if (step == 0 and p is theirs[1]) else (g * 4).bfloat16().float() / 4
+        assert kernels.optimizer_step(opt_ours, grad_scale=0.25, lowp_out=outs, grads=bf16) is True
+        opt_theirs.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(outs[a].float(), b.detach().bfloat16().float(), rtol=1e-2, atol=1e-5)
+        sa, sb = opt_ours.state[a], opt_theirs.state[b]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert sa[key].dtype == sb[key].dtype and sa[key].device == sb[key].device
+            torch.testing.assert_close(sa[key], sb[key], rtol=1e-6, atol=1e-7)

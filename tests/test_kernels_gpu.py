@@ -187,3 +187,21 @@ def test_optimizer_step_declines_what_it_does_not_reproduce():
         assert kernels.optimizer_step(torch.optim.Adam([p])) is False
     finally:
         kernels.set_backend(None)
+
+
+def test_optimizer_step_with_bf16_grads_scale_and_lowp_out():
+    # the engine's call: narrow gradients by mapping, loss unscale times clip coefficient as a device scalar
+    init = [_randn(n, i) for i, n in enumerate([7, 4097])]
+    ours, theirs = [torch.nn.Parameter(t.clone()) for t in init], [torch.nn.Parameter(t.clone()) for t in init]
+    opt_ours, opt_theirs = (torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1) for ps in (ours, theirs))
+    outs = {p: torch.full_like(p, NAN, dtype=torch.bfloat16) for p in ours}
+    scale = torch.tensor(0.125, device="cuda")
+    for step in range(3):
+        grads = {p: _randn(p.numel(), 50 + step + i, torch.bfloat16, scale=8.0) for i, p in enumerate(ours)}
+        for p, q in zip(ours, theirs):
+            q.grad = grads[p].float() * 0.125
+        assert kernels.optimizer_step(opt_ours, grad_scale=scale, lowp_out=outs, grads=grads)
+        opt_theirs.step()
+    for a, b in zip(ours, theirs):
+        _close(a.detach(), b.detach())
+        _close(outs[a].float(), b.detach().bfloat16().float(), torch.bfloat16)

@@ -3,7 +3,8 @@
 [Note: taking over optimizer.step()]
 The engine keeps a real torch optimizer over its pieces (checkpoints, LR schedulers and the user's
 hyperparameters all go through it). ``optimizer_step`` performs exactly what its ``step()`` would,
-with one launch per param group and dtype combination, reading ``p.grad`` and creating or
+with one launch per param group and dtype combination, reading ``p.grad`` (or the gradients the
+caller passes, which may be narrower than the params) and creating or
 updating ``optimizer.state[p]`` as torch does (``step`` a float32 0-dim tensor on the CPU, or on
 the device for fused groups, as torch keeps it; ``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``),
 so the optimizer can go on with its own ``step()`` at any time and its ``state_dict`` is torch's.
@@ -30,7 +31,7 @@ def _scalar(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def _takes_over(optimizer: torch.optim.Optimizer) -> bool:
+def _takes_over(optimizer: torch.optim.Optimizer, grad_of) -> bool:
     """See [Note: taking over optimizer.step()]."""
     kind = type(optimizer)
     if kind not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
@@ -43,19 +44,21 @@ def _takes_over(optimizer: torch.optim.Optimizer) -> bool:
         if group.get("differentiable") or group.get("capturable") or group.get("amsgrad"):
             return False
         for p in group["params"]:
-            if p.grad is None:
+            grad = grad_of(p)
+            if grad is None:
                 continue
             device = device or p.device
             if (p.dtype != torch.float32 or p.device != device or not available(p) or not p.is_contiguous()
-                    or p.grad.is_sparse or p.grad.dtype not in CUDA_TYPE_NAMES or not p.grad.is_contiguous()
-                    or p.grad.device != device):
+                    or grad.is_sparse or grad.dtype not in CUDA_TYPE_NAMES or not grad.is_contiguous()
+                    or grad.device != device or grad.numel() != p.numel()):
                 return False
     return device is not None
 
 
 @torch.no_grad()
 def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: GradScale = 1.0,
-                   lowp_out: Optional[Mapping[torch.Tensor, torch.Tensor]] = None) -> bool:
+                   lowp_out: Optional[Mapping[torch.Tensor, torch.Tensor]] = None,
+                   grads: Optional[Mapping[torch.Tensor, torch.Tensor]] = None) -> bool:
     """Step ``optimizer`` with the fused kernels if they reproduce it, and say whether they did.
 
     Returns False, having changed nothing, when they do not (see [Note: taking over
@@ -63,21 +66,25 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: GradScale = 1.0
     (``grad_scale``: a float or a one-element device tensor, e.g. 1/loss_scale times the clip
     coefficient), read as fp32, bf16 or fp16 and left unchanged. ``lowp_out`` maps a param to a
     bf16/fp16 tensor of its size that receives the updated weight (the working copy to all-gather).
+    ``grads``, when given, maps each param to its gradient in place of ``p.grad`` (params missing from it
+    are skipped, as torch skips a None grad): the way to pass bf16/fp16 gradients of fp32 params, which
+    torch does not allow as ``.grad``.
     """
-    if not _takes_over(optimizer):
+    grad_of = (lambda p: grads.get(p)) if grads is not None else (lambda p: p.grad)
+    if not _takes_over(optimizer, grad_of):
         return False
     out_of = lowp_out or {}
     for group in optimizer.param_groups:
-        params = [p for p in group["params"] if p.grad is not None]
+        params = [p for p in group["params"] if grad_of(p) is not None]
         if not params:
             continue
-        grads = [p.grad for p in params]
+        group_grads = [grad_of(p) for p in params]
         outs = [out_of.get(p) for p in params] if out_of else None
         lr = _scalar(group["lr"])
         if isinstance(optimizer, torch.optim.SGD):
             momentum = _scalar(group["momentum"])
             states = [optimizer.state[p] for p in params] if momentum != 0 else None
-            buffers = ops.sgd_step(params, grads, [s.get("momentum_buffer") for s in states] if states else None,
+            buffers = ops.sgd_step(params, group_grads, [s.get("momentum_buffer") for s in states] if states else None,
                                    lr=lr, momentum=momentum, dampening=_scalar(group["dampening"]),
                                    weight_decay=_scalar(group["weight_decay"]), nesterov=group["nesterov"],
                                    maximize=group["maximize"], grad_scale=grad_scale, lowp_out=outs)
@@ -96,7 +103,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: GradScale = 1.0
         torch._foreach_add_(steps, 1)
         step_counts = torch.stack([s.to(steps[0].device) for s in steps]).tolist()  # one sync for device steps
         beta1, beta2 = (_scalar(b) for b in group["betas"])
-        ops.adam_step(params, grads, [optimizer.state[p]["exp_avg"] for p in params],
+        ops.adam_step(params, group_grads, [optimizer.state[p]["exp_avg"] for p in params],
                       [optimizer.state[p]["exp_avg_sq"] for p in params], step_counts, lr=lr, beta1=beta1,
                       beta2=beta2, eps=_scalar(group["eps"]), weight_decay=_scalar(group["weight_decay"]),
                       decoupled=group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)),
