@@ -206,3 +206,12 @@ def test_registered_offload_strategies_match_ddp_through_the_trainer(tmp_path, s
     zero = launch(tmp_path / "zero", strategy)
     assert all(z["memory"]["host"] > 0 for z in zero)
     assert_same_run(zero, ddp_run(str(tmp_path)))
+
+
+@pytest.mark.parametrize("sharder_offloads", [True, False])
+def test_sharder_and_optimizer_must_agree_on_offload(sharder_offloads):
+    model = OddMLP()
+    user_opt = torch.optim.Adam(model.parameters())
+    sharder = shard_module(model, ZeroConfig(stage=3, offload_optimizer=sharder_offloads, **UNITS))
+    with pytest.raises(ValueError, match=f"offload_optimizer={not sharder_offloads}, but the sharder keeps"):
+        ZeroOptimizer(user_opt, ZeroConfig(stage=3, offload_optimizer=not sharder_offloads, **UNITS), sharder=sharder)

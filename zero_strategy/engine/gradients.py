@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .collectives import Collectives
 from .flat import FlatGroup
 from .layout import Piece
-from .offload import host_empty
+from .offload import host_empty, wait_for_copies
 
 MAX_INFLIGHT = 2
 """Stage 2 reductions in flight before backward waits for the oldest. Bounds the staging memory to
@@ -220,6 +220,8 @@ class GradientReducer:
             pending, buffer, output, target, add = self._inflight.popleft()
             pending.wait()
             if add:  # accumulating over micro-batches, or a late gradient
+                if target.device != output.device:
+                    wait_for_copies(output.device)  # an earlier non-blocking copy into target may be in flight
                 target.add_(output.to(target.device, target.dtype))
             elif output is not target:  # a device result for a host shard
                 target.copy_(output, non_blocking=True)

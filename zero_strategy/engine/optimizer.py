@@ -159,12 +159,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._tiles, self._disk = self._plan_offload(config, type(optimizer), kwargs)
 
     def _check_offloaded(self) -> None:
-        if not self.offloaded:
-            return
-        bad = [g for g in self.groups if not g.offload_master]
+        """Stage 3: the sharder's groups must keep their masters where this optimizer steps them."""
+        bad = [g for g in self.groups if g.offload_master != self.offloaded]
         if bad:
-            raise ValueError("offload_optimizer=True, but the sharder kept the master weights of "
-                             f"{len(bad)} flat groups on the device: build the sharder with the same ZeroConfig "
+            where = "on the device" if self.offloaded else "in host memory"
+            raise ValueError(f"offload_optimizer={self.offloaded}, but the sharder keeps the master weights of "
+                             f"{len(bad)} flat groups {where}: build the sharder with the same ZeroConfig "
                              "(shard_module(model, config)) as the ZeroOptimizer.")
 
     def _for_host(self, group: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +410,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         shard_state(self, state_dict)
-        self.state = self.inner.state  # torch's load_state_dict made a new dict
         if self.offloaded:
             self.inner.param_groups[:] = [self._for_host(g) for g in self.inner.param_groups]
             self._keep_state_on_host()

@@ -158,7 +158,13 @@ def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], de
 
 
 class ParameterSharder:
-    """Shards ``module``'s parameters over the ranks of ``comm`` and gathers them around their use."""
+    """Shards ``module``'s parameters over the ranks of ``comm`` and gathers them around their use.
+
+    ``offload_params`` keeps every sharded group's shard in host memory (pinned on CUDA): a unit's
+    gather copies it to the device just before the all-gather, and the full buffer is the only
+    device copy, dropped on release. ``offload_optimizer`` puts the trainable groups' master
+    shards in host memory (see [Note: offloaded groups] in flat.py).
+    """
 
     def __init__(self, module: nn.Module, comm: Collectives, shard_modules: Sequence[Union[str, type]] = (),
                  min_unit_numel: int = 10_000_000, persist_numel: int = 100_000, prefetch: bool = True,

@@ -1,0 +1,170 @@
+"""The host side of optimizer offload: how fast the host steps, and what disk offload costs.
+
+Two measurements, side by side in one run (one process, no process group), printed as ratios:
+
+1. The host optimizer step on one rank's shard (``--params-millions``, 100M by default, cut into
+   the tensors of a GPT-2-small-shaped model: 8 blocks plus the token and position embeddings,
+   the pieces a ZeroOptimizer would step): torch's Adam with ``fused=True`` (what the engine
+   picks for offload, see zero_strategy/engine/offload.py), with ``foreach=True``, and the plain
+   for-loop (``foreach=False``), on the same tensors and gradients. Goal of issue 7: fused at
+   least 3x faster than the for-loop.
+2. A whole ``ZeroOptimizer.step()`` with the optimizer offloaded to host memory, against the same
+   step with its state in ``offload_dir`` files (``--disk-params-millions``, 25M by default, a
+   stack of Linear layers, Adam), stepped in tiles of ``--tile-mb``; and, for reference, the step
+   without offload. ``--drop-cache`` asks the kernel to drop the files' pages after every step
+   (fsync, then POSIX_FADV_DONTNEED), so the reads come from the disk and not the page cache.
+
+    python benchmarks/bench_offload.py                              # both, default sizes
+    python benchmarks/bench_offload.py --params-millions 10 --steps 2 --disk-params-millions 4  # quick
+    python benchmarks/bench_offload.py --json out.json --offload-dir /nvme/tmp --drop-cache
+
+Each variant is warmed up by one step (which also creates the optimizer state) and then timed
+``--steps`` times, the variants taking turns in a rotating order so that load from other jobs falls
+on all of them alike; the table gives the median, ratios are the median over rounds of the ratio
+within a round. All variants are alive at once (three times the memory of one). Memory: a 100M-parameter fp32 shard holds 0.8 GB of
+weights and gradients and 0.8 GB of Adam moments per optimizer (3.2 GB in all here); the disk part
+writes and reads 8 bytes per parameter per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from zero_strategy import ZeroConfig, ZeroOptimizer
+
+
+def gpt2_like_sizes(target: int) -> list[int]:
+    """Tensor sizes of a GPT-2-small-shaped model (d=768), with as many blocks as fit ``target``."""
+    d, vocab, positions = 768, 50257, 1024
+    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]  # ln, attn, ln, mlp
+    sizes = [vocab * d, positions * d]
+    if sum(sizes) > target:  # a small --params-millions: blocks only
+        sizes = []
+    while sum(sizes) + sum(block) <= target or not sizes:
+        sizes += block
+    return sizes
+
+
+def interleaved(steps_of: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each variant's step, ``rounds`` times, the variants taking turns in a rotating
+    order (so load from other jobs on a shared machine falls on all of them alike), after one
+    warm-up step each (which creates the optimizer state and faults the memory in)."""
+    for fn in steps_of.values():
+        fn()
+    names = list(steps_of)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            start = time.perf_counter()
+            steps_of[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, Any]:
+    """Medians, and the median over rounds of baseline time / variant time (paired: same round)."""
+    return {"seconds": {k: statistics.median(v) for k, v in times.items()},
+            "speedup_over_" + baseline.replace(" ", "_").replace("-", "_"):
+                {k: statistics.median(b / t for b, t in zip(times[baseline], v)) for k, v in times.items()},
+            "all_seconds": times}
+
+
+def host_step(params_millions: float, steps: int) -> dict[str, Any]:
+    sizes = gpt2_like_sizes(int(params_millions * 1e6))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=gen) * 0.02 for n in sizes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    # three optimizers over the same tensors (each its own state: 0.8 GB at 100M parameters)
+    optimizers = {name: torch.optim.Adam(params, lr=1e-4, **kwargs) for name, kwargs in
+                  (("fused", {"fused": True}), ("foreach", {"foreach": True}), ("for-loop", {"foreach": False}))}
+    out = summarize(interleaved({k: o.step for k, o in optimizers.items()}, steps), "for-loop")
+    return {"tensors": len(sizes), "params": sum(sizes), **out}
+
+
+def _drop_cache(opt: ZeroOptimizer) -> None:
+    for fd, _ in opt._disk.disk.files.values():  # type: ignore[union-attr]
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def disk_step(params_millions: float, steps: int, tile_mb: float, folder: str, drop_cache: bool) -> dict[str, Any]:
+    width = 2048
+    layers = max(1, round(params_millions * 1e6 / (width * width + width)))
+    variants = {"no offload": {}, "host memory": {"offload_optimizer": True},
+                "disk": {"offload_optimizer": True, "offload_dir": folder, "offload_tile_mb": tile_mb}}
+    optimizers = {}
+    for name, options in variants.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+        opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4), ZeroConfig(stage=2, **options))
+        model(torch.randn(4, width)).square().mean().backward()  # gradients stay until zero_grad
+        optimizers[name] = opt
+
+    def stepper(opt: ZeroOptimizer) -> Callable[[], None]:
+        def step() -> None:
+            opt.step()
+            if drop_cache and opt._disk is not None:
+                _drop_cache(opt)
+        return step
+
+    out = summarize(interleaved({k: stepper(o) for k, o in optimizers.items()}, steps), "host memory")
+    for opt in optimizers.values():
+        opt.close()
+    times = out["all_seconds"]
+    out["disk_over_host_memory"] = statistics.median(d / h for d, h in zip(times["disk"], times["host memory"]))
+    out["host_memory_over_no_offload"] = statistics.median(
+        h / n for h, n in zip(times["host memory"], times["no offload"]))
+    return {"params": layers * (width * width + width), "tile_mb": tile_mb, "folder": folder,
+            "drop_cache": drop_cache, **out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params-millions", type=float, default=100.0, help="host-step shard size (default 100)")
+    parser.add_argument("--disk-params-millions", type=float, default=25.0, help="disk-step model size (default 25)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant, after one warm-up")
+    parser.add_argument("--tile-mb", type=float, default=64.0, help="offload_tile_mb of the disk variant")
+    parser.add_argument("--offload-dir", default=None, help="folder for the disk variant (default: a temp folder)")
+    parser.add_argument("--drop-cache", action="store_true", help="drop the files' page cache after each step")
+    parser.add_argument("--skip", choices=("host", "disk"), help="leave one of the two measurements out")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                               "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    if args.skip != "host":
+        h = host_step(args.params_millions, args.steps)
+        results["host_step"] = h
+        print(f"Host Adam step, {h['params'] / 1e6:.1f}M parameters in {h['tensors']} tensors, "
+              f"{results['threads']} threads (median of {args.steps}):")
+        for name, sec in h["seconds"].items():
+            print(f"  {name:>9}: {sec * 1e3:9.1f} ms   {h['speedup_over_for_loop'][name]:5.2f}x the for-loop's speed "
+                  "(paired)")
+    if args.skip != "disk":
+        with tempfile.TemporaryDirectory(dir=args.offload_dir) as folder:
+            d = disk_step(args.disk_params_millions, args.steps, args.tile_mb, folder, args.drop_cache)
+        results["disk_step"] = d
+        print(f"ZeroOptimizer.step(), stage 2, one rank, {d['params'] / 1e6:.1f}M parameters, Adam, tiles of "
+              f"{d['tile_mb']:g} MiB{', page cache dropped' if d['drop_cache'] else ''} (median of {args.steps}):")
+        for name, sec in d["seconds"].items():
+            print(f"  {name:>11}: {sec * 1e3:9.1f} ms")
+        print(f"  disk / host memory: {d['disk_over_host_memory']:.2f}x   "
+              f"host memory / no offload: {d['host_memory_over_no_offload']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
