@@ -11,7 +11,7 @@ reference everywhere.
              nesterov=False, maximize=False, grad_scale=1.0, lowp_out=None) -> momentum buffers
     grad_norm_and_overflow(tensors, norm_type=2.0, device=None) -> (total, nonfinite)
     flatten_into(tensors, flat, offsets=None);  unflatten_from(flat, tensors, offsets=None)
-    optimizer_step(optimizer, grad_scale=1.0, lowp_out=None) -> bool   (True: stepped; False: call step())
+    optimizer_step(optimizer, grad_scale=1.0, lowp_out=None, grads=None) -> bool  (False: call step())
 """
 
 from . import reference
