@@ -283,3 +283,36 @@ def test_zero_strategy_applies_checkpointing_at_stage_3():
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(plain["losses"]), rtol=0, atol=1e-6)
             for key, value in plain["state"].items():
                 torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-6)
+
+
+# ---- CUDA: offload moves what is saved off the device (run on a GPU machine) ------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="activation offload moves tensors only off a CUDA device")
+def test_offload_on_cuda_moves_saved_activations_off_the_device():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, block_size=128, n_layer=8, n_head=4, n_embd=128).cuda()
+    idx = torch.randint(0, 256, (8, 129), device="cuda")
+
+    def step(offload: bool) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with offload_activations(enabled=offload):
+            loss = F.cross_entropy(model(idx[:, :-1]).reshape(-1, 256), idx[:, 1:].reshape(-1))
+        held = torch.cuda.memory_allocated() - before  # device bytes kept for backward (and the loss)
+        loss.backward()
+        return held, loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    runs = {"plain": step(False), "offload": step(True)}
+    apply_activation_checkpointing(model, ["Block"])
+    runs["checkpoint"] = step(False)
+    runs["checkpoint+offload"] = step(True)
+    held = {name: run[0] for name, run in runs.items()}
+    assert held["offload"] * 3 < held["plain"], held
+    assert held["checkpoint"] * 3 < held["plain"] and held["checkpoint+offload"] < held["checkpoint"], held
+    for name, (_, loss, grads) in runs.items():
+        torch.testing.assert_close(loss, runs["plain"][1], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for g, w in zip(grads, runs["plain"][2]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    print(f"device bytes held after forward: {held}")
