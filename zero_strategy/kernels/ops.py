@@ -24,6 +24,7 @@ from .loader import CUDA_TYPE_NAMES, available, launch
 CHUNK = 16384
 """Elements per CUDA block: a multiple of the vector width (4); 256 threads make 16 passes."""
 THREADS = 256
+FLAG_VEC, FLAG_FIRST_STEP = 1, 2  # a tensor's flags in the table, as in cuda/zs_common.cuh
 
 GradScale = Union[float, torch.Tensor]
 _LOWP = (torch.bfloat16, torch.float16)
@@ -66,7 +67,7 @@ def _table(device: torch.device, addresses: list[list[tuple[int, int]]], numels:
     flags = []
     for t in range(n):
         vec = all(addr % (4 * size) == 0 for addr, size in (role[t] for role in addresses) if addr)
-        flags.append(int(vec) | (2 if first_step is not None and first_step[t] else 0))
+        flags.append((FLAG_VEC if vec else 0) | (FLAG_FIRST_STEP if first_step is not None and first_step[t] else 0))
     first_block = [0]
     for k in numels:
         first_block.append(first_block[-1] + -(-k // CHUNK))
