@@ -111,8 +111,9 @@ class GradientReducer:
             self._grad_views = [g.param_views(b) for g, b in zip(self.groups, self.grad_buffers)]
             self._attach_grad_views()
         else:
-            self.grad_shards = [h if h is not None else torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device)
-                                for g, h in zip(self.groups, self.host_grads)]
+            self.grad_shards = [
+                h if h is not None else torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device)
+                for g, h in zip(self.groups, self.host_grads)]
             self._shard_filled = False  # False after zero_grad: the next reduction writes, not adds
             self._pool = _StagingPool(keep=MAX_INFLIGHT + 1)
             self._reset_backward_state()

@@ -261,7 +261,8 @@ class DiskStepper:
                 t.grad = grads[key][lo:hi]
                 index, hyper = settings(*key)  # type: ignore[misc]
                 groups.setdefault(index, {**hyper, "params": []})["params"].append(t)
-                entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.get(masters[part.group][part.piece], {}).items()}
+                scalars = state.get(masters[part.group][part.piece], {})
+                entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
                 span_lo = spans[part.group][0]
                 for k in self.keys.get(key, ()):
                     entry[k] = loaded[(part.group, k)][part.start - span_lo : part.end - span_lo]

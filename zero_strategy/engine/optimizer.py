@@ -133,7 +133,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             param_order = {p: param_order.get(p, len(param_order)) for g in self.groups for p in g.params}
         self.offloaded = config.offload_optimizer
         self._check_offloaded()
-        host_dtypes = [g.master_shard.dtype for g in self.groups] if self.offloaded else None  # type: ignore[union-attr]
+        host_dtypes = [g.master_shard.dtype for g in self.groups if g.master_shard is not None] if self.offloaded else None
         self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order, listener=sharder,
                                        host_dtypes=host_dtypes)
         user_group_of = {p: gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
