@@ -6,6 +6,7 @@ with Lightning's StrategyRegistry, so ``Trainer(strategy="zero_stage_2")`` works
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .activation import SavedActivationMeter, apply_activation_checkpointing, offload_activations, saved_activation_bytes
 from .checkpoint import consolidate_checkpoint
 from .config import ZeroConfig
 from .engine import ZeroOptimizer
@@ -16,5 +17,6 @@ from .strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ZeroConfig", "ZeroOptimizer", "ZeroPrecision", "ZeroStrategy", "consolidate_checkpoint", "count_parameters",
-           "estimate_memory", "gathered_parameters", "memory_stats"]
+__all__ = ["SavedActivationMeter", "ZeroConfig", "ZeroOptimizer", "ZeroPrecision", "ZeroStrategy",
+           "apply_activation_checkpointing", "consolidate_checkpoint", "count_parameters", "estimate_memory",
+           "gathered_parameters", "memory_stats", "offload_activations", "saved_activation_bytes"]

@@ -32,6 +32,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from .activation import offload_activations
 from .checkpoint import (CheckpointError, CheckpointReader, is_sharded_checkpoint, load_model, load_optimizers,
                          save_sharded)
 from .checkpoint.sharded import flat_groups
@@ -253,7 +254,8 @@ class ZeroStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._sharder is not None:
             self._sharder.hold_root()  # released when backward ends
-        return super().training_step(*args, **kwargs)
+        with offload_activations(enabled=self.config.offload_activations):  # saved tensors wait in host memory
+            return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._root_held():
