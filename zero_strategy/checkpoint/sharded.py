@@ -101,18 +101,19 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
     for i, zopt in enumerate(optimizers):
         scalars: dict[str, dict[str, Any]] = {}
         tensors: dict[str, list[str]] = {}
-        for g, pieces in zip(zopt.groups, zopt._pieces):
-            for piece, t in zip(g.pieces, pieces):
-                name = names[g.params[piece.param]]
-                for key, value in zopt.inner.state.get(t, {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        add(optim_name(i, key, name), value, piece.param_start, g.shapes[piece.param])
-                        tensors.setdefault(name, [])
-                        if key not in tensors[name]:
-                            tensors[name].append(key)
-                    else:  # a number per parameter (the step count), the same in each of its pieces
-                        scalars.setdefault(name, {})[key] = value.detach().cpu().clone() if isinstance(
-                            value, torch.Tensor) else value
+        with zopt.materialized_state():  # optimizer state offloaded to disk is read back for this
+            for g, pieces in zip(zopt.groups, zopt._pieces):
+                for piece, t in zip(g.pieces, pieces):
+                    name = names[g.params[piece.param]]
+                    for key, value in zopt.inner.state.get(t, {}).items():
+                        if isinstance(value, torch.Tensor) and value.dim() > 0:
+                            add(optim_name(i, key, name), value, piece.param_start, g.shapes[piece.param])
+                            tensors.setdefault(name, [])
+                            if key not in tensors[name]:
+                                tensors[name].append(key)
+                        else:  # a number per parameter (the step count), the same in each of its pieces
+                            scalars.setdefault(name, {})[key] = value.detach().cpu().clone() if isinstance(
+                                value, torch.Tensor) else value
         record.optim_scalars.append(scalars)
         record.optim_tensors.append(tensors)
     return writer, record

@@ -17,6 +17,14 @@ the next tile steps; then the device waits for those copies and the all-gathers 
 ``offload_dir`` the state of each tile comes from disk and goes back to it; ``state_dict()`` reads
 it all into memory for the consolidation and ``load_state_dict()`` writes it all out again, so the
 unsharded state dict is the same as without offload.
+
+[Note: kernels in the step]
+On CUDA, when CuPy imports (see zero_strategy/kernels), three passes run as fused kernels: the
+overflow check of the loss scaler and the local norm for clipping (one read of every gradient,
+``grad_norm_and_overflow``), and the update of Adam, AdamW and SGD (``optimizer_step``: one
+launch per param group over all its pieces, each piece with its own step count, the state kept
+in torch's layout in ``inner.state``). Any other optimizer, dtype or device runs torch's own
+code, as on CPU, and ``ZERO_STRATEGY_KERNELS=torch`` forces that everywhere.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .. import kernels
 from ..config import ZeroConfig
 from .collectives import Collectives, wait_all
 from .flat import FlatGroup
@@ -245,7 +254,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is not None and self._step.grads:
             grads = [grad for _, grad in self._step.grads]
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).to(torch.uint8).reshape(1)
+            if kernels.available(grads[0]):  # one fused pass on CUDA: see [Note: kernels in the step]
+                bad = kernels.grad_norm_and_overflow(grads)[1].to(torch.uint8).reshape(1)
+            else:
+                bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).to(torch.uint8).reshape(1)
         elif self.scaler is not None:
             bad = torch.zeros(1, dtype=torch.uint8, device=self._device)
         if self.scaler is not None:  # every rank takes part, holding gradients or not
@@ -284,9 +296,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.offloaded:
             self._step_on_host()
         else:
-            for master, grad in self._step.grads:
-                master.grad = grad
-            self.inner.step()
+            if not kernels.optimizer_step(self.inner, grads=dict(self._step.grads)):
+                for master, grad in self._step.grads:
+                    master.grad = grad
+                self.inner.step()
             for g in self.groups:
                 g.write_back()
         if self.scaler is not None:
@@ -367,12 +380,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         grads = self.piece_grads()
         device = self._device  # the collective's; offloaded gradients are on the host
-        norms = torch.stack(torch._foreach_norm(grads, norm_type)).double() if grads else torch.zeros(1, device=device)
-        if float(norm_type) == float("inf"):
-            total = norms.max().to(device)
+        inf = float(norm_type) == float("inf")
+        if grads and kernels.available(grads[0]) and float(norm_type) in (2.0, float("inf")):
+            total = kernels.grad_norm_and_overflow(grads, norm_type)[0].double()  # sum of squares, or the max
+        else:
+            norms = torch.stack(torch._foreach_norm(grads, norm_type)).double() if grads else torch.zeros(1, device=device)
+            total = norms.max() if inf else norms.pow(norm_type).sum()
+        total = total.to(device)
+        if inf:
             self.comm.all_reduce(total, op=dist.ReduceOp.MAX)
         else:
-            total = norms.pow(norm_type).sum().to(device)
             self.comm.all_reduce(total)
             total = total.pow(1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
