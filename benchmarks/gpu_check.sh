@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine (torch, cupy, pytest; hydra-core and lightning not needed): the GPU
-# kernel tests, the CPU kernel tests and the CUDA source checks, then the kernel benchmark, importing
+# kernel tests, the CPU kernel tests and the CUDA source checks, the engine's GPU tests (when Lightning
+# imports), then the kernel benchmark, importing
 # zero_strategy from this working tree. Results go to $OUT when it is set (environment, pytest log,
 # JUnit XML, benchmark log and JSON), else to benchmarks/results_gpu/.
 #   bash benchmarks/gpu_check.sh
@@ -30,6 +31,14 @@ python -c "import torch, cupy; print('torch', torch.__version__, 'cuda', torch.v
 bare pytest -p no:cacheprovider -o addopts="" -q -rs --junitxml="$out/kernel_tests.xml" \
     tests/test_kernels_gpu.py tests/test_kernels.py tests/test_cuda_sources.py 2>&1 | tee "$out/kernel_tests.log"
 tests=${PIPESTATUS[0]}
+# The engine on the GPU (needs Lightning, which the package's __init__ imports; not Hydra)
+if python -c "import lightning" 2>/dev/null; then
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -p no:cacheprovider -o addopts="" -q -rs \
+      --junitxml="$out/engine_tests.xml" tests/test_engine_gpu.py tests/test_activation_checkpointing.py \
+      2>&1 | tee "$out/engine_tests.log"
+  engine=${PIPESTATUS[0]}
+  tests=$(( tests != 0 ? tests : engine ))
+fi
 bare benchmarks/bench_kernels.py --out "$out/bench_kernels.json" 2>&1 | tee "$out/bench_kernels.log"
 bench=${PIPESTATUS[0]}
 echo "gpu_check: tests exit $tests, benchmark exit $bench; results in $out"
