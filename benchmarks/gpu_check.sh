@@ -34,7 +34,7 @@ tests=${PIPESTATUS[0]}
 # The engine on the GPU (needs Lightning, which the package's __init__ imports; not Hydra)
 if python -c "import lightning" 2>/dev/null; then
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -p no:cacheprovider -o addopts="" -q -rs \
-      --junitxml="$out/engine_tests.xml" tests/test_engine_gpu.py tests/test_activation_checkpointing.py \
+      --junitxml="$out/engine_tests.xml" tests/test_engine_gpu.py tests/test_activation_checkpointing.py -k "gpu or cuda" \
       2>&1 | tee "$out/engine_tests.log"
   engine=${PIPESTATUS[0]}
   tests=$(( tests != 0 ? tests : engine ))
