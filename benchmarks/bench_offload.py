@@ -39,6 +39,7 @@ for-loop Adam on the same CPU: offload alone is 2.4x faster here, because it pic
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -146,6 +147,8 @@ def cuda_memory(params_millions: float, stage: int) -> dict[str, Any]:
     4 bytes per parameter (bf16 weights and gradients)."""
     from zero_strategy.engine import shard_module
 
+    gc.collect()  # the previous stage's model and engine are reference cycles: free them before measuring
+    torch.cuda.empty_cache()
     width = 4096
     layers = max(1, round(params_millions * 1e6 / (width * width + width)))
     device = torch.device("cuda")
@@ -166,8 +169,19 @@ def cuda_memory(params_millions: float, stage: int) -> dict[str, Any]:
         opt.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
+    host = _host_rss()
     return {"stage": stage, "params": n, "device_bytes_before_steps": before, "device_peak": peak,
-            "peak_bytes_per_param": peak / n, "resident_bytes_per_param": before / n}
+            "peak_bytes_per_param": peak / n, "resident_bytes_per_param": before / n,
+            "host_rss_bytes": host, "host_bytes_per_param": host / n}
+
+
+def _host_rss() -> int:
+    """This process's resident host memory (Linux), 0 where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def main() -> None:
@@ -178,15 +192,18 @@ def main() -> None:
     parser.add_argument("--tile-mb", type=float, default=64.0, help="offload_tile_mb of the disk variant")
     parser.add_argument("--offload-dir", default=None, help="folder for the disk variant (default: a temp folder)")
     parser.add_argument("--drop-cache", action="store_true", help="drop the files' page cache after each step")
-    parser.add_argument("--skip", choices=("host", "disk"), help="leave one of the two measurements out")
+    parser.add_argument("--skip", choices=("host", "disk"), nargs="*", default=(),
+                        help="leave these measurements out")
     parser.add_argument("--cuda-memory", type=float, metavar="MILLIONS",
                         help="also measure peak device memory at stages 2 and 3 with offload (a GPU model this big)")
+    parser.add_argument("--cuda-stages", type=int, nargs="+", default=(2, 3), choices=(2, 3),
+                        help="the stages --cuda-memory measures (default 2 3)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
     results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                                "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
-    if args.skip != "host":
+    if "host" not in args.skip:
         h = host_step(args.params_millions, args.steps)
         results["host_step"] = h
         print(f"Host Adam step, {h['params'] / 1e6:.1f}M parameters in {h['tensors']} tensors, "
@@ -194,7 +211,7 @@ def main() -> None:
         for name, sec in h["seconds"].items():
             print(f"  {name:>9}: {sec * 1e3:9.1f} ms   {h['speedup_over_for_loop'][name]:5.2f}x the for-loop's speed "
                   "(paired)")
-    if args.skip != "disk":
+    if "disk" not in args.skip:
         with tempfile.TemporaryDirectory(dir=args.offload_dir) as folder:
             d = disk_step(args.disk_params_millions, args.steps, args.tile_mb, folder, args.drop_cache)
         results["disk_step"] = d
@@ -205,11 +222,11 @@ def main() -> None:
         print(f"  disk / host memory: {d['disk_over_host_memory']:.2f}x   "
               f"host memory / no offload: {d['host_memory_over_no_offload']:.2f}x")
     if args.cuda_memory:
-        results["cuda_memory"] = [cuda_memory(args.cuda_memory, stage) for stage in (2, 3)]
+        results["cuda_memory"] = [cuda_memory(args.cuda_memory, stage) for stage in args.cuda_stages]
         for row in results["cuda_memory"]:
             print(f"CUDA, stage {row['stage']} with offload, {row['params'] / 1e6:.0f}M bf16 parameters: peak "
                   f"{row['peak_bytes_per_param']:.2f} bytes per parameter ({row['resident_bytes_per_param']:.2f} "
-                  "between steps)")
+                  f"between steps); host RSS {row['host_bytes_per_param']:.1f} bytes per parameter")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

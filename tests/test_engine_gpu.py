@@ -26,7 +26,7 @@ def _run(stage: int, optimizer: str, dtype: torch.dtype, backend: str, steps: in
         config = ZeroConfig(stage=stage, shard_modules=("Linear",), param_persistence_threshold=0)
         user_opt = make_optimizer(optimizer, param_groups(model))
         sharder = shard_module(model, config) if stage == 3 else None
-        scaler = LossScaler(initial_scale_power=8) if dtype != torch.float32 else None
+        scaler = LossScaler(scale=2.0**8) if dtype != torch.float32 else None
         opt = ZeroOptimizer(user_opt, config, sharder=sharder, scaler=scaler)
         losses = []
         for step in range(steps):
