@@ -171,3 +171,32 @@ def test_gathered_parameters_gives_full_parameters_and_keeps_the_modifiers_edits
         assert torch.equal(seen["proj"], torch.full((12, 24), 20.0))  # rank 1's edit, on both ranks
         assert torch.equal(seen["norm"], torch.full((12,), 20.0))
         assert torch.equal(seen["state"], seen["proj"])
+
+
+def test_a_released_unit_frees_its_memory_while_backward_still_needs_its_weights():
+    # autograd keeps views of each Linear's gathered weight for backward; releasing the unit must
+    # free that memory anyway (see [Note: freeing the full buffer]), and backward must still be right
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
+    reference = copy.deepcopy(model)
+    sharder = shard_module(model, ZeroConfig(stage=3, shard_modules=("Linear",), param_persistence_threshold=0,
+                                             prefetch=False))
+    sharded = [g for g in sharder.groups if not g.resident]
+    assert len(sharded) == 8
+    x = torch.randn(4, 64)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = model(x).square().mean()
+    full_storages = {g._full.untyped_storage().data_ptr() for g in sharded}
+    assert any(t.untyped_storage().data_ptr() in full_storages for t in saved), "no weight view was saved"
+    assert sum(g._full.untyped_storage().nbytes() for g in sharded) == 0  # every unit's memory is free
+    grads = {}
+    for g in sharded:
+        for p in g.params:
+            p.register_post_accumulate_grad_hook(lambda p, g=g: grads.__setitem__(p, p.grad.clone()))
+    loss.backward()
+    reference(x).square().mean().backward()
+    names = {p: n for n, p in model.named_parameters()}
+    assert len(grads) == 16
+    for p, grad in grads.items():
+        torch.testing.assert_close(grad.view(-1), reference.get_parameter(names[p]).grad.view(-1), rtol=1e-6, atol=1e-7)

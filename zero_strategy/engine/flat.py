@@ -12,6 +12,17 @@ every rank; the rank's shard is a set of slices of it. A *sharded* group (stage 
 ``shard``, the rank's slices copied out, and holds the full buffer only between ``gather()`` and
 ``release()``; while released, each parameter's ``.data`` is an empty tensor (``torch.Size([0])``).
 
+[Note: freeing the full buffer]
+Autograd keeps what a forward saved for backward, and for a linear layer that includes views of
+the weight (its transpose): views of the gathered full buffer. Dropping our reference to the
+buffer on release would therefore free nothing until backward, and every unit would stay in
+memory from its forward to its backward. So a sharded group keeps one full buffer for its whole
+life and ``release()`` resizes its *storage* to zero bytes, which frees the memory under every
+view at once; ``gather()`` resizes the same storage back and all-gathers into it, so the views
+autograd saved read the gathered values again by the time backward reaches the unit (its outputs'
+hook gathers it first: see [Note: when units are gathered] in parameters.py). Touching a saved
+view while its unit is released is an error, not a silent read of stale memory.
+
 [Note: offloaded groups]
 ``offload_master`` puts the master shard in host memory (a copy even for fp32 weights, which are
 then the device's working copy; see [Note: where offloaded bytes live] in offload.py).
@@ -75,7 +86,9 @@ class FlatGroup:
         elif master_dtype not in (None, self.dtype):
             self.master_shard = own.to(master_dtype)
         self.offload_master, self.offload_shard = offload_master, offload_shard and not resident
+        self._full: Optional[torch.Tensor] = None  # a sharded group's full buffer: see [Note: freeing the full buffer]
         if not resident:
+            self._full = self.buffer
             self.release()
 
     @property
@@ -127,7 +140,9 @@ class FlatGroup:
         assert not self.resident and self.shard is not None
         if self.buffer is not None:
             return []
-        self.buffer = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
+        assert self._full is not None
+        self._full.untyped_storage().resize_(self.layout.numel * self._full.element_size())
+        self.buffer = self._full
         self._point_params_at(self.buffer)
         shard = self.shard.to(self.device, non_blocking=True)  # a host shard goes to the device first
         return [comm.all_gather(self.segment_of(self.buffer, seg),
@@ -135,11 +150,13 @@ class FlatGroup:
                 for seg in self.segments]
 
     def release(self) -> None:
-        """Drop the full buffer; parameters become empty until the next gather."""
+        """Free the full buffer's memory; parameters become empty until the next gather."""
         assert not self.resident
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
+        if self.buffer is not None:
+            self.buffer.untyped_storage().resize_(0)  # also under autograd's saved views
         self.buffer = None
 
     def write_back(self, copy: bool = True) -> None:
