@@ -24,10 +24,30 @@ __device__ __forceinline__ float lerp_like_torch(float start, float end, float w
   return fabsf(weight) < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
 }
 
+// The hyperparameters of one block's tensor, and the update of one element (both loop parts use it).
+struct AdamArgs {
+  float scale, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size, bc2_sqrt;
+  int decoupled, maximize;
+};
+
+__device__ __forceinline__ void adam_update(const AdamArgs& a, float& p, float g, float& m, float& v) {
+  float gk = g * a.scale;
+  if (a.maximize) gk = -gk;
+  if (a.weight_decay != 0.0f) {
+    if (a.decoupled) p = p * a.decay_factor;
+    else gk = gk + a.weight_decay * p;
+  }
+  m = lerp_like_torch(m, gk, a.one_minus_beta1);
+  v = v * a.beta2 + a.one_minus_beta2 * gk * gk;
+  const float denom = sqrtf(v) / a.bc2_sqrt + a.eps;
+  p = p + (-a.step_size) * m / denom;
+}
+
 // G: gradient storage (float, bf16_t, f16_t). L: low-precision output (bf16_t, f16_t, or no_out_t).
 // grad_scale_ptr: optional device float multiplied into grad_scale (e.g. a clip coefficient), or null.
+// The loop: [Note: element loops] in zs_common.cuh.
 template <typename G, typename L>
-__global__ void __launch_bounds__(256) adam_step(
+__global__ void __launch_bounds__(256, ZS_MIN_BLOCKS) adam_step(
     const i64* table, int n, i64 chunk, float grad_scale, const float* grad_scale_ptr, float one_minus_beta1,
     float beta2, float one_minus_beta2, float eps, float weight_decay, float decay_factor, int decoupled,
     int maximize) {
@@ -42,29 +62,55 @@ __global__ void __launch_bounds__(256) adam_step(
   float* exp_avg = list.ptr<float>(ADAM_EXP_AVG, t);
   float* exp_avg_sq = list.ptr<float>(ADAM_EXP_AVG_SQ, t);
   L* out = list.ptr<L>(ADAM_OUT, t);
-  const float step_size = (float)list.scalar(ADAM_STEP_SIZE, t);
-  const float bc2_sqrt = (float)list.scalar(ADAM_BC2_SQRT, t);
-  const float scale = grad_scale_ptr ? grad_scale * *grad_scale_ptr : grad_scale;
+  const AdamArgs a{grad_scale_ptr ? grad_scale * *grad_scale_ptr : grad_scale,
+                   one_minus_beta1,
+                   beta2,
+                   one_minus_beta2,
+                   eps,
+                   weight_decay,
+                   decay_factor,
+                   (float)list.scalar(ADAM_STEP_SIZE, t),
+                   (float)list.scalar(ADAM_BC2_SQRT, t),
+                   decoupled,
+                   maximize};
 
-  for (i64 i = begin + 4 * (i64)threadIdx.x; i < end; i += 4 * (i64)blockDim.x) {
+  const i64 stride = 4 * (i64)blockDim.x;
+  i64 i = begin + 4 * (i64)threadIdx.x;
+  if (vec) {
+    for (; i + (ZS_ILP - 1) * stride + 4 <= end; i += ZS_ILP * stride) {
+      Vec4<float> pv[ZS_ILP], mv[ZS_ILP], vv[ZS_ILP];
+      Vec4<G> gv[ZS_ILP];
+#pragma unroll
+      for (int u = 0; u < ZS_ILP; ++u) {
+        pv[u] = load_vec(param, i + u * stride);
+        gv[u] = load_vec(grad, i + u * stride);
+        mv[u] = load_vec(exp_avg, i + u * stride);
+        vv[u] = load_vec(exp_avg_sq, i + u * stride);
+      }
+#pragma unroll
+      for (int u = 0; u < ZS_ILP; ++u) {
+        float p[4], g[4], m[4], v[4];
+        to_floats(pv[u], p);
+        to_floats(gv[u], g);
+        to_floats(mv[u], m);
+        to_floats(vv[u], v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) adam_update(a, p[k], g[k], m[k], v[k]);
+        store_vec(param, i + u * stride, p);
+        store_vec(exp_avg, i + u * stride, m);
+        store_vec(exp_avg_sq, i + u * stride, v);
+        if constexpr (!same_type<L, no_out_t>::value) store_vec(out, i + u * stride, p);
+      }
+    }
+  }
+  for (; i < end; i += stride) {
     float p[4], g[4], m[4], v[4];
     load4(param, i, end, vec, p);
     load4(grad, i, end, vec, g);
     load4(exp_avg, i, end, vec, m);
     load4(exp_avg_sq, i, end, vec, v);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float gk = g[k] * scale;
-      if (maximize) gk = -gk;
-      if (weight_decay != 0.0f) {
-        if (decoupled) p[k] = p[k] * decay_factor;
-        else gk = gk + weight_decay * p[k];
-      }
-      m[k] = lerp_like_torch(m[k], gk, one_minus_beta1);
-      v[k] = v[k] * beta2 + one_minus_beta2 * gk * gk;
-      const float denom = sqrtf(v[k]) / bc2_sqrt + eps;
-      p[k] = p[k] + (-step_size) * m[k] / denom;
-    }
+    for (int k = 0; k < 4; ++k) adam_update(a, p[k], g[k], m[k], v[k]);
     store4(param, i, end, vec, p);
     store4(exp_avg, i, end, vec, m);
     store4(exp_avg_sq, i, end, vec, v);

@@ -30,8 +30,10 @@ __device__ __forceinline__ T block_reduce(T x, bool max_mode) {
 
 // Block b writes partials[block_offset + b] and flags[block_offset + b]: several launches (one per
 // gradient dtype) fill disjoint ranges of the same arrays before grad_norm_final.
+// The loop: [Note: element loops] in zs_common.cuh; each thread accumulates its elements in the same order
+// (its Vec4s in turn, 4 elements each) on either path.
 template <typename G>
-__global__ void __launch_bounds__(NORM_THREADS) grad_norm_partials(
+__global__ void __launch_bounds__(NORM_THREADS, ZS_MIN_BLOCKS) grad_norm_partials(
     const i64* table, int n, i64 chunk, int max_mode, float* partials, unsigned char* flags, i64 block_offset) {
   const TensorList list{table, n, NORM_ROLES, 0};
   const int t = list.tensor_of(blockIdx.x);
@@ -42,7 +44,26 @@ __global__ void __launch_bounds__(NORM_THREADS) grad_norm_partials(
   const G* x = list.ptr<const G>(NORM_TENSOR, t);
   float acc = 0.0f;
   int bad = 0;
-  for (i64 i = begin + 4 * (i64)threadIdx.x; i < end; i += 4 * (i64)blockDim.x) {
+  const i64 stride = 4 * (i64)blockDim.x;
+  i64 i = begin + 4 * (i64)threadIdx.x;
+  if (vec) {
+    for (; i + (ZS_ILP - 1) * stride + 4 <= end; i += ZS_ILP * stride) {
+      Vec4<G> xv[ZS_ILP];
+#pragma unroll
+      for (int u = 0; u < ZS_ILP; ++u) xv[u] = load_vec(x, i + u * stride);
+#pragma unroll
+      for (int u = 0; u < ZS_ILP; ++u) {
+        float v[4];
+        to_floats(xv[u], v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          bad |= !is_finite(v[k]);
+          acc = max_mode ? fmaxf(acc, fabsf(v[k])) : acc + v[k] * v[k];
+        }
+      }
+    }
+  }
+  for (; i < end; i += stride) {
     float v[4];
     load4(x, i, end, vec, v);  // elements past the end read as 0: neutral for both sum and max
 #pragma unroll

@@ -72,6 +72,38 @@ __device__ __forceinline__ void store4(T* p, i64 i, i64 n, bool vec, const float
   }
 }
 
+// [Note: element loops]
+// A block's chunk is [begin, end); thread x owns the Vec4s at begin + 4 * x + j * stride, stride = 4 * blockDim.x,
+// j = 0, 1, ... Memory-bound kernels need many bytes in flight per thread, so the loop has two parts:
+//   fast path (every array of the tensor Vec4-aligned): ZS_ILP of the thread's Vec4s at once, while all of
+//     them lie below end: first every load of the ZS_ILP vectors, then the arithmetic, then every store;
+//   rest (unaligned tensors, and the chunk's tail): the thread's remaining Vec4s one at a time through
+//     load4/store4, which read and write only the elements below end.
+// The fast path leaves i at the thread's first Vec4 it did not do, so the rest continues from there; every
+// element is computed by the same per-element function in both parts, in the same order per thread.
+#ifndef ZS_ILP
+#define ZS_ILP 4
+#endif
+// Blocks of 256 threads per SM that the element kernels' registers must allow (__launch_bounds__).
+#ifndef ZS_MIN_BLOCKS
+#define ZS_MIN_BLOCKS 2
+#endif
+
+// One Vec4 of p at element i (p + i aligned for Vec4), raw: converted after every load is issued.
+template <typename T> __device__ __forceinline__ Vec4<T> load_vec(const T* p, i64 i) {
+  return *reinterpret_cast<const Vec4<T>*>(p + i);
+}
+template <typename T> __device__ __forceinline__ void store_vec(T* p, i64 i, const float in[4]) {
+  Vec4<T> x;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) x.v[k] = from_float<T>(in[k]);
+  *reinterpret_cast<Vec4<T>*>(p + i) = x;
+}
+template <typename T> __device__ __forceinline__ void to_floats(const Vec4<T>& x, float out[4]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) out[k] = to_float(x.v[k]);
+}
+
 // [Note: tensor-list table]
 // A launch covers many tensors (the engine's pieces), none of them flattened. The host packs one int64
 // table, copied to the device once per launch, with n = number of tensors and `roles` pointer rows:
