@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from zero_strategy.checkpoint import is_sharded_checkpoint
+
 from .cli_runs import clean_env, script
 from .distributed import free_port
 
@@ -35,4 +37,6 @@ def test_two_nodes_with_torchrun_agree(tmp_path):
     assert rank0["world_size"] == rank1["world_size"] == 2 and rank0["global_step"] == rank1["global_step"] == 6
     assert rank0["param_digest"] == rank1["param_digest"]  # same model on both nodes after training
     assert rank0["metrics"]["val/loss"] == rank1["metrics"]["val/loss"]  # synced over both nodes
-    assert (tmp_path / "node0" / "checkpoints" / "last.ckpt").is_file()  # written by global rank 0
+    last = tmp_path / "node0" / "checkpoints" / "last.ckpt"
+    assert is_sharded_checkpoint(last)  # every rank wrote its part, rank 0 the index
+    assert sorted(f.name for f in last.glob("rank_*.safetensors")) == ["rank_00000.safetensors", "rank_00001.safetensors"]
