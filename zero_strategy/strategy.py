@@ -211,7 +211,17 @@ class ZeroStrategy(ParallelStrategy):
             ]
         self.setup_precision_plugin()
         if fitting:
+            self._point_schedulers_at_zero_optimizers()
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _point_schedulers_at_zero_optimizers(self) -> None:
+        """LR schedulers were built on the user's optimizers; they change the same param groups
+        through the ZeroOptimizers (see [Note: master weights]), and pointing them there lets
+        Lightning pair each optimizer with its scheduler (LearningRateMonitor logs each group once)."""
+        for config in self.lr_scheduler_configs:
+            for opt in self._zero_optimizers:
+                if config.scheduler.optimizer is opt.optim:
+                    config.scheduler.optimizer = opt
 
     def _shard_model(self) -> None:
         """Stage 3: shard the parameters (once: a model stays sharded between fit and test)."""

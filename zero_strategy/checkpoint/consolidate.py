@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import save_file
 
-from .sharded import _best_source, optim_name
+from .sharded import _best_source, optim_name, torch_layout
 from .store import CheckpointReader
 
 
@@ -36,22 +36,8 @@ def full_optimizer_states(reader: CheckpointReader, saved: dict[str, Any]) -> Op
     """Each optimizer's state dict in torch's own (unsharded) layout, or None for a weights-only checkpoint."""
     if saved.get("optimizers") is None:
         return None
-    out = []
-    for i, rec in enumerate(saved["optimizers"]):
-        state, groups, index = {}, [], 0
-        for group in rec["param_groups"]:
-            ids = []
-            for name in group["params"]:
-                entry = dict(rec["state"].get(name, {}))
-                for key in rec["tensor_state"].get(name, []):
-                    entry[key] = reader.full(optim_name(i, key, name))
-                if entry:
-                    state[index] = entry
-                ids.append(index)
-                index += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        out.append({"state": state, "param_groups": groups})
-    return out
+    return [torch_layout(rec, lambda key, name, i=i: reader.full(optim_name(i, key, name)))
+            for i, rec in enumerate(saved["optimizers"])]
 
 
 def consolidate_checkpoint(ckpt_dir: Any, out_path: Any, safetensors_path: Any = None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -362,20 +362,26 @@ def load_optimizers(reader: CheckpointReader, saved: dict[str, Any], module: nn.
             raise CheckpointError(f"optimizer {i} of the checkpoint at {reader.path} steps other parameters than this "
                                   f"run's: {_first_difference(theirs, ours)}. It was saved for a different model or "
                                   "configure_optimizers.")
-        state, groups, index = {}, [], 0
-        for group in rec["param_groups"]:
-            ids = []
-            for name in group["params"]:
-                entry = dict(rec["state"].get(name, {}))
-                for key in rec["tensor_state"].get(name, []):
-                    entry[key] = StoredTensor(reader, optim_name(i, key, name))
-                if entry:
-                    state[index] = entry
-                ids.append(index)
-                index += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        zopt.load_state_dict({"state": state, "param_groups": groups})
+        zopt.load_state_dict(torch_layout(rec, lambda key, name, i=i: StoredTensor(reader, optim_name(i, key, name))))
         load_masters(reader, saved, module, zopt.groups)
+
+
+def torch_layout(rec: dict[str, Any], tensor: Callable[[str, str], Any]) -> dict[str, Any]:
+    """One saved optimizer as torch's state dict: parameters numbered in param-group order, the
+    elementwise state ``tensor(key, name)`` (a whole tensor, or one read a range at a time)."""
+    state, groups, index = {}, [], 0
+    for group in rec["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            entry = dict(rec["state"].get(name, {}))
+            for key in rec["tensor_state"].get(name, []):
+                entry[key] = tensor(key, name)
+            if entry:
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
 
 
 def _first_difference(theirs: list[list[str]], ours: list[list[str]]) -> str:

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from ..memory import KEYS, count_parameters, estimate_memory, memory_stats, normalize_precision
 from .report import print_memory_table
 
-MEMORY_COLUMNS = (*KEYS, "total")
+MEMORY_COLUMNS = (*KEYS, "device", "host", "disk", "total")  # where the bytes live, with offload
 
 
 def _zero_stage(strategy: Any) -> int:
@@ -102,9 +102,13 @@ class MemoryTable(Callback):
         self.measured = [{k: int(v) for k, v in zip(MEMORY_COLUMNS, row)} for row in rows]
         self.num_params = count_parameters(pl_module)  # a tied weight once, a sharded one whole
         self.stage = _zero_stage(strategy)
+        config = getattr(strategy, "config", None)  # ZeroStrategy's: the offload settings
         self.formula = estimate_memory(self.num_params, stage=self.stage, world_size=trainer.world_size,
                                        precision=normalize_precision(trainer.precision),
-                                       optimizer_state_bytes=_state_bytes_per_param(trainer.optimizers))
+                                       optimizer_state_bytes=_state_bytes_per_param(trainer.optimizers),
+                                       offload_optimizer=bool(getattr(config, "offload_optimizer", False)),
+                                       offload_params=bool(getattr(config, "offload_params", False)),
+                                       offload_disk=getattr(config, "offload_dir", None) is not None)
         if trainer.is_global_zero:
             print_memory_table(self.measured, self.formula, self.num_params, self.stage, trainer.world_size,
                                trainer.precision)

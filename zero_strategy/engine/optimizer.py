@@ -305,8 +305,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         self._all_gather_params()
-        self.optim._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check this flag
+        self.optim._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check this flag,
+        self._opt_called = True  # on whichever optimizer they were pointed at
         return loss
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # what LR schedulers look for on step
 
     def _step_on_host(self) -> None:
         """The step on host tensors, tile by tile: see [Note: offloaded step]."""
