@@ -103,7 +103,8 @@ def test_gradient_accumulation_matches_ddp(tmp_path, tmp_root, strategy):
 def test_resume_from_checkpoint_matches_ddp_resume(tmp_path, tmp_root, strategy):
     # Fit 5 steps, save, resume in a fresh Trainer and model, against DDP doing the same (Lightning
     # restarts a plain dataloader's epoch on resume, so an uninterrupted run sees other batches).
-    # The optimizer state, gathered from both shards into the checkpoint, must carry over exactly.
+    # The checkpoint is a sharded directory (each rank saved its own pieces); the optimizer state must
+    # carry over exactly, mid-epoch.
     assert_same_run(launch(tmp_path, strategy, "--stop-at", "5"), ddp_run(tmp_root, "--stop-at", "5"))
 
 
