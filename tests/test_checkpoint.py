@@ -7,8 +7,7 @@ parameter) with Adam; a 1-rank run sees both ranks' batches, so all runs follow 
 
 from __future__ import annotations
 
-import contextlib
-import shutil
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from zero_strategy import ZeroConfig, ZeroOptimizer, gathered_parameters
 from zero_strategy.checkpoint import CheckpointError, CheckpointReader, load_model, load_optimizers, save_sharded
 from zero_strategy.checkpoint import store
-from zero_strategy.checkpoint.sharded import flat_groups
+from zero_strategy.checkpoint.sharded import flat_groups, on_every_rank
 from zero_strategy.engine import Collectives, shard_module
 
 from .distributed import run_distributed
@@ -299,3 +298,70 @@ def test_stale_partial_directories_are_replaced(saved_checkpoint):
     assert sorted(p.name for p in saved_checkpoint.iterdir()) == [store.INDEX, store.rank_file(0), store.TRAINER_STATE]
     loaded, _ = _load(saved_checkpoint, 2)
     _assert_params(_full_params(loaded), _full_params(model), exact=True)
+
+
+class TiedFrozen(torch.nn.Module):
+    """A frozen embedding tied to the output layer (as in LoRA fine-tuning of GPT-2): at stages 1
+    and 2 no flat group holds it, so it is saved whole, once, under its first name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.embed.requires_grad_(False)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.body(self.embed(tokens))))
+
+
+def _tied_run(stage: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TiedFrozen()
+    config = ZeroConfig(stage=stage, shard_modules=("Linear", "Embedding"), param_persistence_threshold=0)
+    sharder = shard_module(model, config) if stage == 3 else None
+    opt = ZeroOptimizer(torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01), config,
+                        sharder=sharder)
+    return model, opt, sharder
+
+
+@pytest.mark.parametrize("save_stage, load_stage", [(2, 2), (1, 3), (3, 1)])
+def test_a_frozen_tied_weight_saves_once_and_loads_at_any_stage(tmp_path, save_stage, load_stage):
+    model, opt, sharder = _tied_run(save_stage)
+    tokens = torch.randint(0, 10, (4, 5))
+    opt.zero_grad()
+    model(tokens).sum().backward()
+    opt.step()
+    _save(tmp_path / "ckpt", model, opt, sharder, save_stage)
+    loaded, opt2, sharder2 = _tied_run(load_stage, seed=1)
+    reader = CheckpointReader(tmp_path / "ckpt")
+    saved = reader.trainer_state()["zero_checkpoint"]
+    load_model(reader, saved, loaded, flat_groups([opt2], sharder2))
+    load_optimizers(reader, saved, loaded, [opt2])
+    _assert_params(_full_params(loaded), _full_params(model), exact=True)
+    assert loaded.head.weight is loaded.embed.weight
+
+
+def _one_rank_cannot_read(rank: int, world_size: int, folder: str) -> str:
+    path = Path(folder) / "ckpt"
+    model, opt, sharder = _build(3)
+    _save(path, model, opt, sharder, 3)
+    torch.distributed.barrier()
+    if rank == 0:  # rank 1's file: the same size (the index check passes), a broken header
+        with open(path / store.rank_file(1), "r+b") as f:
+            f.write(b"\xff" * 8)
+    torch.distributed.barrier()
+    model2, opt2, sharder2 = _build(3, seed=1)
+    reader = CheckpointReader(path)
+    saved = reader.trainer_state()["zero_checkpoint"]
+    with pytest.raises(CheckpointError) as caught:  # on every rank, not only the one that read the file
+        on_every_rank(Collectives(), lambda: load_model(reader, saved, model2, flat_groups([opt2], sharder2)))
+    torch.distributed.barrier()  # and nobody is left waiting
+    return str(caught.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_cannot_read_its_part_fails_the_load_on_every_rank(tmp_path):
+    for message in run_distributed(_one_rank_cannot_read, 2, str(tmp_path)):
+        assert re.search(r"failed on rank 1: CheckpointError: shard file .*rank_00001\.safetensors is corrupt", message)

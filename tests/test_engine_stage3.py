@@ -200,3 +200,23 @@ def test_a_released_unit_frees_its_memory_while_backward_still_needs_its_weights
     assert len(grads) == 16
     for p, grad in grads.items():
         torch.testing.assert_close(grad.view(-1), reference.get_parameter(names[p]).grad.view(-1), rtol=1e-6, atol=1e-7)
+
+
+def test_loading_whole_weights_also_sets_the_masters_of_resident_parameters():
+    # bf16 at stage 3: biases stay whole (resident) with fp32 masters; a step with lr=0 must keep
+    # the loaded values, not write the masters' old ones back
+    torch.manual_seed(7)
+    want = {k: v.clone() for k, v in nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 8)).to(torch.bfloat16)
+            .state_dict().items()}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 8)).to(torch.bfloat16)
+    config = ZeroConfig(stage=3, shard_modules=("Linear",), param_persistence_threshold=100)
+    sharder = shard_module(model, config)
+    assert sharder.resident and all(g.master_shard is not None for g in sharder.resident)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), config, sharder=sharder)
+    sharder.load_full_state_dict(want)
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    got = sharder.full_state_dict()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key

@@ -116,3 +116,22 @@ def test_storage_options_are_refused_for_sharded_checkpoints(tmp_path):
     strategy = ZeroStrategy()
     with pytest.raises(TypeError, match="storage_options=.* is not supported by sharded checkpoints"):
         strategy.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"compress": True})
+
+
+class _TwoLinears(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 2))
+
+
+@pytest.mark.timeout(180)
+def test_spawn_at_stage_3_hands_the_whole_weights_to_the_main_process():
+    # with spawn the main process gets rank 0's weights when the workers end: whole ones, not
+    # rank 0's empty stage-3 shards
+    model = _TwoLinears()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    strategy = ZeroStrategy(stage=3, start_method="spawn", shard_modules=("Linear",), param_persistence_threshold=0)
+    _trainer(strategy=strategy, devices=2).fit(model)
+    after = model.state_dict()
+    assert {k: v.shape for k, v in after.items()} == {k: v.shape for k, v in before.items()}
+    assert any(not torch.equal(after[k], before[k]) for k in before)  # trained

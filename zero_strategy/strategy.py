@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,6 +29,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -35,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from .activation import offload_activations
 from .checkpoint import (CheckpointError, CheckpointReader, is_sharded_checkpoint, load_model, load_optimizers,
                          save_sharded)
-from .checkpoint.sharded import flat_groups
+from .checkpoint.sharded import flat_groups, on_every_rank
 from .config import ZeroConfig
 from .engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from .memory import memory_stats
@@ -44,6 +47,28 @@ from .precision import ZeroPrecision, to_zero_precision
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _STATE_DICT_TYPES = ("sharded", "full")
 _SHARDED = "_zero_sharded_checkpoint"  # a loaded checkpoint's reader, for the load hooks below
+
+
+class _FullWeightsLauncher(_MultiProcessingLauncher):
+    """spawn/fork/forkserver: the main process receives rank 0's weights when the workers end, and
+    at stage 3 the module's own state dict holds only this rank's (empty) shards: send the whole one."""
+
+    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
+        strategy = self._strategy
+        assert isinstance(strategy, ZeroStrategy)
+        weights = strategy.full_state_dict()  # every rank: a collective at stage 3
+        # the last collective of this worker: a gloo group left to interpreter shutdown sometimes
+        # aborts the process ("terminate called without an active exception"), failing the launch
+        dist.destroy_process_group()
+        if strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:  # a fresh folder: several nodes may share the filesystem
+            weights_path = os.path.join(tempfile.mkdtemp(), "weights.ckpt")
+            strategy.checkpoint_io.save_checkpoint(weights, weights_path)
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", None) if callback is not None else None
+        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -148,7 +173,7 @@ class ZeroStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _FullWeightsLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -344,8 +369,8 @@ class ZeroStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if _SHARDED in checkpoint:
             reader, saved = checkpoint[_SHARDED]
-            return load_model(reader, saved, self.lightning_module, flat_groups(self._zero_optimizers, self._sharder),
-                              strict)
+            return on_every_rank(Collectives(), lambda: load_model(
+                reader, saved, self.lightning_module, flat_groups(self._zero_optimizers, self._sharder), strict))
         if self._sharder is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         self._sharder.load_full_state_dict(checkpoint["state_dict"], strict=strict)
@@ -354,7 +379,8 @@ class ZeroStrategy(ParallelStrategy):
         if _SHARDED in checkpoint:
             reader, saved = checkpoint[_SHARDED]
             assert self.lightning_module is not None
-            return load_optimizers(reader, saved, self.lightning_module, self._zero_optimizers)
+            return on_every_rank(Collectives(), lambda: load_optimizers(reader, saved, self.lightning_module,
+                                                                        self._zero_optimizers))
         return super().load_optimizer_state_dict(checkpoint)
 
     @property

@@ -19,14 +19,14 @@ from .store import CheckpointReader
 
 
 def full_state_dict(reader: CheckpointReader, saved: dict[str, Any]) -> dict[str, Any]:
-    """The model's state dict, whole: floating-point tensors in fp32 (from the master weights where
+    """The model's state dict, whole: half-precision tensors in fp32 (from the master weights where
     the run kept them), tied parameters as one tensor under each of their names."""
     out: dict[str, Any] = {}
     loaded: dict[str, torch.Tensor] = {}
     for key, stored in saved["model_keys"].items():
         if stored not in loaded:
             value = reader.full(_best_source(reader, stored))
-            loaded[stored] = value.float() if value.is_floating_point() else value
+            loaded[stored] = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
         out[key] = loaded[stored]
     out.update(saved.get("model_extra_state", {}))
     return out

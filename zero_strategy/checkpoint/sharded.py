@@ -94,7 +94,7 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
         if not isinstance(value, torch.Tensor) or value in grouped:
             continue
         name = MODEL + (names[value] if isinstance(value, nn.Parameter) else key)
-        if rank == 0:
+        if rank == 0 and name not in record.specs:  # a tied parameter has several keys but one name
             add(name, value, 0, value.shape)
         record.specs.setdefault(name, (list(value.shape), str(value.dtype).removeprefix("torch.")))
 
@@ -137,6 +137,20 @@ def _broadcast_object(comm: Collectives, obj: Any) -> Any:
 
 def _error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
+
+
+def on_every_rank(comm: Collectives, load: Callable[[], None]) -> None:
+    """Run ``load`` (no collectives inside) and raise on every rank if it failed on any: a rank that
+    cannot read its part must not leave the others waiting in the next collective."""
+    error = ""
+    try:
+        load()
+    except Exception as err:  # every rank must reach the all-gather below
+        error = _error(err)
+    failed = [(r, e) for r, e in enumerate(_all_gather_object(comm, error)) if e]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"loading the checkpoint failed on rank {rank}: {message}")
 
 
 def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[ZeroOptimizer],

@@ -193,6 +193,15 @@ class FlatGroup:
             dst = self.shard[lo + start : lo + end]
         dst.copy_(src, non_blocking=True)
 
+    def master_from_weights(self) -> None:
+        """A resident group's master slices from its (just loaded or edited) working weights."""
+        assert self.resident and self.buffer is not None
+        if self.master_shard is None or self.master_shard is self.shard:
+            return
+        for seg in self.segments:
+            lo = seg.shard_start
+            self.master_shard[lo : lo + seg.shard_numel].copy_(self.own_shard_of(self.buffer, seg))
+
     def save_own_slices(self) -> None:
         """Copy this rank's slices of the (gathered, edited) full buffer back into the shard."""
         assert self.buffer is not None and self.shard is not None

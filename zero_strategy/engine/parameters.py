@@ -378,6 +378,7 @@ class ParameterSharder:
                 self.release(unit)
             for g in self.resident:
                 load_params(g)
+                g.master_from_weights()
             for key, value in entries.items():
                 if not isinstance(value, nn.Parameter) and key in state_dict:
                     load(key, value)
@@ -410,6 +411,8 @@ def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
     finally:
         if modifier_rank is not None:
             _adopt_values_of(modifier_rank, params, [u for _, u in units])
+            for g in (g for sharder in sharders for g in sharder.resident if any(p in wanted for p in g.params)):
+                g.master_from_weights()  # the broadcast values, into the fp32 masters too
         for (s, u), before in zip(units, held_before):
             u.held = before
             s.release(u)
