@@ -135,3 +135,18 @@ def test_spawn_at_stage_3_hands_the_whole_weights_to_the_main_process():
     after = model.state_dict()
     assert {k: v.shape for k, v in after.items()} == {k: v.shape for k, v in before.items()}
     assert any(not torch.equal(after[k], before[k]) for k in before)  # trained
+
+
+def test_a_second_fit_at_stage_3_trains_the_whole_parameters_again():
+    # Lightning's teardown runs module.cpu(), which on CUDA gives every whole (resident) parameter a
+    # new tensor; simulated here with clones. The next fit must train the module's parameters again.
+    model = _TwoLinears()
+    strategy = ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=100)  # biases whole
+    trainer = _trainer(strategy=strategy)
+    trainer.fit(model)
+    model._apply(lambda t: t.clone())  # what .cpu() and .to(device) do to the whole parameters
+    bias = model.layer[0].bias.detach().clone()
+    trainer.fit_loop.epoch_loop.max_steps = 4  # the same Trainer (and sharder): two more steps
+    trainer.fit(model)
+    assert trainer.global_step == 4
+    assert not torch.equal(model.layer[0].bias.detach(), bias)  # trained in the second fit

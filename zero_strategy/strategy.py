@@ -257,6 +257,9 @@ class ZeroStrategy(ParallelStrategy):
                     dist.broadcast(buffer, src=0)
             self._sharder = shard_module(self.model, self.engine_config, Collectives(), self.root_device,
                                          self.optimizers)
+        else:  # Lightning's teardown moved the module to the CPU (on CUDA), detaching the whole parameters
+            for g in self._sharder.resident:
+                g.adopt_params()
 
     @property
     def engine_config(self) -> ZeroConfig:

@@ -193,6 +193,16 @@ class FlatGroup:
             dst = self.shard[lo + start : lo + end]
         dst.copy_(src, non_blocking=True)
 
+    def adopt_params(self) -> None:
+        """A resident group whose parameters were given other tensors (``module.cpu()`` and back):
+        copy their values into the buffer and make them its views again."""
+        assert self.resident and self.buffer is not None
+        with torch.no_grad():
+            for p, view in zip(self.params, self.param_views(self.buffer)):
+                if p.data.data_ptr() != view.data_ptr():
+                    view.copy_(p.data.reshape(view.shape))
+        self._point_params_at(self.buffer)
+
     def master_from_weights(self) -> None:
         """A resident group's master slices from its (just loaded or edited) working weights."""
         assert self.resident and self.buffer is not None
