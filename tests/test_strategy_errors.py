@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import zero_strategy
 from zero_strategy import ZeroStrategy
 
-from .distributed import run_distributed
+from .distributed import free_port, run_distributed
 
 
 def _trainer(**kwargs) -> L.Trainer:
@@ -125,9 +125,10 @@ class _TwoLinears(BoringModel):
 
 
 @pytest.mark.timeout(180)
-def test_spawn_at_stage_3_hands_the_whole_weights_to_the_main_process():
+def test_spawn_at_stage_3_hands_the_whole_weights_to_the_main_process(monkeypatch):
     # with spawn the main process gets rank 0's weights when the workers end: whole ones, not
     # rank 0's empty stage-3 shards
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # earlier in-process runs hold theirs
     model = _TwoLinears()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     strategy = ZeroStrategy(stage=3, start_method="spawn", shard_modules=("Linear",), param_persistence_threshold=0)
