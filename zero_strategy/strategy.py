@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from .activation import offload_activations
+from .activation import apply_activation_checkpointing, offload_activations
 from .checkpoint import (CheckpointError, CheckpointReader, is_sharded_checkpoint, load_model, load_optimizers,
                          save_sharded)
 from .checkpoint.sharded import flat_groups, on_every_rank
@@ -214,8 +214,6 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self.config.activation_checkpointing:  # instance forwards only: classes and state_dict keys stay
-            from .activation import apply_activation_checkpointing
-
             apply_activation_checkpointing(self.model, self.config.activation_checkpointing,
                                            self.config.activation_checkpointing_interval,
                                            offload=self.config.offload_activations)

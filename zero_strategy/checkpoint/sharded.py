@@ -312,20 +312,21 @@ def load_model(reader: CheckpointReader, saved: dict[str, Any], module: nn.Modul
     """Load weights and buffers; sharded groups read only this rank's ranges. Not a collective."""
     check_model_keys(saved, reader, module, groups, strict)
     model_keys: dict[str, str] = saved["model_keys"]
-    group_of = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
-    done: set[torch.Tensor] = set()
+    source_of: dict[torch.Tensor, str] = {}  # each tensor's saved values, under its first key (tied: once)
     for key, value in module.state_dict(keep_vars=True).items():
-        if key not in model_keys or not isinstance(value, torch.Tensor) or value in done:
-            continue
-        done.add(value)  # a tied parameter is loaded once, under its first name
-        source = _best_source(reader, model_keys[key]) if isinstance(value, nn.Parameter) else model_keys[key]
-        g, i = group_of.get(value, (None, -1))
-        if g is None or g.resident:
+        if key in model_keys and isinstance(value, torch.Tensor) and value not in source_of:
+            stored = model_keys[key]
+            source_of[value] = _best_source(reader, stored) if isinstance(value, nn.Parameter) else stored
+    sharded = [g for g in groups if not g.resident]
+    in_shards = {p for g in sharded for p in g.params}
+    for value, source in source_of.items():
+        if value not in in_shards:  # whole on every rank
             value.data.copy_(reader.full(source))
-            continue
+    for g in sharded:  # this rank's pieces only
         assert g.shard is not None
         for piece in g.pieces:
-            if piece.param == i:
+            source = source_of.get(g.params[piece.param])
+            if source is not None:
                 g.shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(
                     reader.read(source, piece.param_start, piece.param_end))
         if g.buffer is not None:  # a gathered copy no longer matches the shard
