@@ -131,10 +131,9 @@ def test_wrapping_keeps_classes_and_state_dict_keys_and_is_idempotent():
     assert model.blocks[0].forward is wrapper and wrapper.own_forward is None
     assert list(model.state_dict()) == keys and [type(m) for m in model.modules()] == classes
     # stage 3 finds its units by class name, as before
-    from zero_strategy.engine.parameters import plan_units
+    from zero_strategy.engine.unit_plan import plan_units
 
-    units, _, _ = plan_units(model, ("Block",), 0, 0)
-    assert [name for name, _, _ in units] == names
+    assert [unit.name for unit in plan_units(model, ("Block",), persist_numel=0).units] == names
     copied = copy.deepcopy(model)  # the copy's wrappers run the copy, not the original
     assert checkpointed_modules(copied) == names and copied.blocks[1].forward.module is copied.blocks[1]
     assert remove_activation_checkpointing(model) == names and checkpointed_modules(model) == []

@@ -298,11 +298,18 @@ def test_float64_and_mixed_dtypes_get_separate_flat_groups():
 def test_stage3_fields():
     cfg = ZeroConfig(stage=3, shard_modules=["Block", torch.nn.Linear])
     assert cfg.shard_modules == ("Block", torch.nn.Linear)  # a list from Hydra becomes a tuple
-    with pytest.raises(ValueError, match=r"shard_modules='Block' must be a tuple"):
-        ZeroConfig(stage=3, shard_modules="Block")
-    with pytest.raises(ValueError, match=r"shard_modules=\(3,\)"):
+    for field in ("shard_modules", "activation_checkpointing"):  # a bare string is not split into letters
+        with pytest.raises(ValueError, match=rf"{field}='Block' must be a list .* write {field}=\['Block'\]"):
+            ZeroConfig(stage=3, **{field: "Block"})
+        with pytest.raises(ValueError, match=rf"{field}=<class 'torch.nn.modules.linear.Linear'> must be a list"):
+            ZeroConfig(stage=3, **{field: torch.nn.Linear})
+    with pytest.raises(ValueError, match=r"shard_modules holds \[3\]"):
         ZeroConfig(stage=3, shard_modules=(3,))
     with pytest.raises(ValueError, match=r"param_persistence_threshold=-1 must be a non-negative integer"):
         ZeroConfig(stage=3, param_persistence_threshold=-1)
-    with pytest.raises(ValueError, match=r"unit_min_params=1.5"):
-        ZeroConfig(stage=3, unit_min_params=1.5)
+    with pytest.raises(ValueError, match=r"unit_params=1.5"):
+        ZeroConfig(stage=3, unit_params=1.5)
+    with pytest.raises(ValueError, match=r"collective_timeout=0 must be a positive number of seconds"):
+        ZeroConfig(collective_timeout=0)
+    with pytest.raises(ValueError, match=r"check_unit_order='yes' must be True or False"):
+        ZeroConfig(check_unit_order="yes")

@@ -78,19 +78,53 @@ def _gpt2_loss(model, step, rank):
     return model(input_ids=x, labels=x).loss
 
 
+# Models whose layers are over the default param_persistence_threshold (100k elements), so that
+# ZeroConfig(stage=3) with nothing else has something to shard: the defaults as users meet them.
+def _gpt2_default_sized():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=512, n_positions=16, n_embd=256, n_layer=3, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)  # 2.5M parameters; lm_head tied to the token embedding
+
+
+def _gpt2_default_loss(model, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, 512, (2, 12), generator=g)
+    return model(input_ids=x, labels=x).loss
+
+
+def _bert_default_sized():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=512, hidden_size=384, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=1536, max_position_embeddings=16, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config)  # 3.9M parameters
+
+
+def _bert_default_loss(model, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randint(0, 512, (2, 12), generator=g), torch.randint(0, 3, (2,), generator=g)
+    return model(input_ids=x, labels=y).loss
+
+
 CASES = {
     # name: (model factory, loss, optimizer groups, config)
     "mlp-linear-units": (OddMLP, _mlp_loss, param_groups,
                          ZeroConfig(stage=3, shard_modules=("Linear",), param_persistence_threshold=0)),
     "mlp-by-size": (OddMLP, _mlp_loss, param_groups,
-                    ZeroConfig(stage=3, unit_min_params=100, param_persistence_threshold=8)),
+                    ZeroConfig(stage=3, unit_params=250, param_persistence_threshold=8)),  # units of 1-2 Linears
     "lm-blocks": (TinyLM, _lm_loss, lambda m: m.parameters(),
                   ZeroConfig(stage=3, shard_modules=("Block",), param_persistence_threshold=13)),
     "lm-no-prefetch": (TinyLM, _lm_loss, lambda m: m.parameters(),
                        ZeroConfig(stage=3, shard_modules=(Block,), param_persistence_threshold=0, prefetch=False)),
     "transformers-gpt2": (_gpt2, _gpt2_loss, lambda m: m.parameters(),
                           ZeroConfig(stage=3, shard_modules=("GPT2Block",), param_persistence_threshold=0)),
+    "gpt2-defaults": (_gpt2_default_sized, _gpt2_default_loss, lambda m: m.parameters(), ZeroConfig(stage=3)),
+    "bert-defaults": (_bert_default_sized, _bert_default_loss, lambda m: m.parameters(), ZeroConfig(stage=3)),
 }
+DEFAULT_CASES = ("gpt2-defaults", "bert-defaults")
 
 
 def _stage3_vs_ddp(rank, world_size, case, optimizer):
@@ -119,18 +153,28 @@ def _stage3_vs_ddp(rank, world_size, case, optimizer):
                 ref_losses.append(loss_fn(reference, 999, rank).item())
     from zero_strategy import gathered_parameters
 
+    from zero_strategy import count_parameters, memory_stats
+
+    memory = (memory_stats(model, [opt])["total"], count_parameters(model), len(sharder.units))
     with gathered_parameters(model):
         params = {n: (p.detach().clone(), q.detach().clone())
                   for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters())}
-    return losses, ref_losses, params, released
+    return losses, ref_losses, params, released, memory
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_stage3_matches_ddp(case, optimizer):
-    for losses, ref_losses, params, released in run_distributed(_stage3_vs_ddp, 2, case, optimizer):
+    from zero_strategy import estimate_memory
+
+    for losses, ref_losses, params, released, (total, numel, units) in run_distributed(_stage3_vs_ddp, 2, case,
+                                                                                         optimizer):
         assert released, "unit parameters should be empty between steps"
+        if case in DEFAULT_CASES and optimizer == "adam":  # the defaults shard: 16 bytes per parameter / N
+            assert units >= 6
+            formula = estimate_memory(numel, stage=3, world_size=2)["total"]
+            assert formula <= total <= 1.10 * formula, f"{total / formula:.3f} x the formula"
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
         for name, (p, q) in params.items():
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from .engine.unit_plan import ModuleTarget as Target
+from .engine.unit_plan import module_matches, target_name
 
 __all__ = [
     "SavedActivationMeter",
@@ -51,7 +54,6 @@ __all__ = [
     "saved_activation_bytes",
 ]
 
-Target = Union[str, type]
 
 
 # ---- which tensors are activations ------------------------------------------------------------
@@ -200,14 +202,6 @@ class _CheckpointedForward:
             return checkpoint(call, *args, *kwargs.values(), use_reentrant=False)
 
 
-def _matches(module: nn.Module, target: Target) -> bool:
-    return type(module).__name__ == target if isinstance(target, str) else isinstance(module, target)
-
-
-def _target_name(target: Target) -> str:
-    return target if isinstance(target, str) else target.__name__
-
-
 def checkpointed_modules(module: nn.Module) -> list[str]:
     """Names of ``module``'s submodules (``""`` for itself) whose forward is checkpointed."""
     return [name for name, m in module.named_modules() if isinstance(m.__dict__.get("forward"), _CheckpointedForward)]
@@ -237,18 +231,18 @@ def apply_activation_checkpointing(module: nn.Module, targets: Sequence[Target],
         raise ValueError(f"activation checkpointing interval={interval!r} must be a positive integer (1 checkpoints "
                          "every matching module, 2 every second one).")
     everything = list(module.named_modules())
-    unmatched = [t for t in targets if not any(_matches(m, t) for _, m in everything)]
+    unmatched = [t for t in targets if not any(module_matches(m, (t,)) for _, m in everything)]
     if unmatched:
         classes = sorted({type(m).__name__ for _, m in everything})
         raise ValueError(
-            f"activation checkpointing: no module of class {', '.join(repr(_target_name(t)) for t in unmatched)} "
+            f"activation checkpointing: no module of class {', '.join(repr(target_name(t)) for t in unmatched)} "
             f"in {type(module).__name__}; its modules' classes are {classes}. Name one of these (the class's "
             "exact __name__), or drop the entry.")
 
     matching: list[tuple[str, nn.Module]] = []
     for name, m in everything:
         inside = any(name.startswith(outer + ".") or not outer for outer, _ in matching)
-        if not inside and any(_matches(m, t) for t in targets):
+        if not inside and module_matches(m, targets):
             matching.append((name, m))
     chosen = []
     for index, (name, m) in enumerate(matching):

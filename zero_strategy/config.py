@@ -33,10 +33,9 @@ class ZeroConfig:
     """Stage 3: module classes (or class names) whose instances are each one unit, gathered with one
     all-gather around their forward and backward, e.g. ("Block",) for a transformer's layers."""
 
-    unit_min_params: int = 10_000_000
-    """Stage 3 without shard_modules: a module becomes a unit once it holds this many parameters not
-    yet in a smaller unit (leaves first). 10M parameters is 40 MB in fp32: large enough to keep
-    the all-gathers efficient, small enough that a few units in flight are cheap."""
+    unit_params: Optional[int] = None
+    """Stage 3 without shard_modules: the size units are cut to, in parameters (see [Note: default
+    units] in engine/unit_plan.py). None: one bucket, and at most an eighth of the model."""
 
     param_persistence_threshold: int = 100_000
     """Stage 3: parameters with fewer elements stay whole on every rank (biases, norms): gathering
@@ -80,6 +79,16 @@ class ZeroConfig:
     offload_activations: bool = False
     """Keep the activations saved for backward in host memory (pinned on CUDA) until backward."""
 
+    check_unit_order: bool = True
+    """Stage 3: before each unit's all-gather, check that every rank is gathering the same unit, and
+    raise naming what each rank was doing if not (see [Note: order guard] in engine/order_guard.py)."""
+
+    collective_timeout: Optional[float] = 600.0
+    """Seconds a gloo collective of the engine may wait before the process ends, printing what it
+    waited for (see [Note: hang watchdog] in engine/watchdog.py); None: wait for the process group's
+    timeout. 10 minutes is a third of the process group's default of 30: a healthy collective never
+    waits that long, while a rank held up by a slow checkpoint write or a long validation still has time."""
+
     def __post_init__(self) -> None:
         if type(self.stage) is not int or self.stage not in SUPPORTED_STAGES:
             raise ValueError(
@@ -93,16 +102,21 @@ class ZeroConfig:
                 f"bucket_cap_mb={cap!r} must be a positive, finite number of MiB (DDP's default is 25)."
             )
 
-        if isinstance(self.shard_modules, list):
-            object.__setattr__(self, "shard_modules", tuple(self.shard_modules))
-        if isinstance(self.shard_modules, (str, type)) or not all(
-                isinstance(m, (str, type)) for m in self.shard_modules):
-            raise ValueError(f"shard_modules={self.shard_modules!r} must be a tuple of module classes or class "
-                             "names, e.g. ('Block',).")
-        for name in ("unit_min_params", "param_persistence_threshold"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 0:
-                raise ValueError(f"{name}={value!r} must be a non-negative integer (a number of parameters).")
+        _module_targets(self, "shard_modules")
+        _module_targets(self, "activation_checkpointing")
+        if self.unit_params is not None and (type(self.unit_params) is not int or self.unit_params < 1):
+            raise ValueError(f"unit_params={self.unit_params!r} must be a positive integer (parameters per stage-3 "
+                             "unit), or None to size units from the bucket and the model.")
+        if type(self.param_persistence_threshold) is not int or self.param_persistence_threshold < 0:
+            raise ValueError(f"param_persistence_threshold={self.param_persistence_threshold!r} must be a non-negative "
+                             "integer (a number of parameters).")
+        timeout = self.collective_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise ValueError(f"collective_timeout={timeout!r} must be a positive number of seconds, or None to wait "
+                             "as long as the process group's timeout.")
+        if not isinstance(self.check_unit_order, bool):
+            raise ValueError(f"check_unit_order={self.check_unit_order!r} must be True or False.")
 
         self._check_memory_options()
 
@@ -122,12 +136,6 @@ class ZeroConfig:
         tile = self.offload_tile_mb
         if isinstance(tile, bool) or not isinstance(tile, (int, float)) or not math.isfinite(tile) or tile <= 0:
             raise ValueError(f"offload_tile_mb={tile!r} must be a positive, finite number of MiB.")
-        if isinstance(self.activation_checkpointing, list):
-            object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
-        if isinstance(self.activation_checkpointing, (str, type)) or not all(
-                isinstance(m, (str, type)) for m in self.activation_checkpointing):
-            raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r} must be a tuple of module "
-                             "classes or class names, e.g. ('Block',).")
         interval = self.activation_checkpointing_interval
         if type(interval) is not int or interval < 1:
             raise ValueError(f"activation_checkpointing_interval={interval!r} must be a positive integer "
@@ -141,3 +149,20 @@ class ZeroConfig:
     def bucket_numel(self, element_size: int) -> int:
         """Bucket capacity in elements of a dtype of ``element_size`` bytes (at least 1)."""
         return max(1, int(self.bucket_cap_mb * 2**20) // element_size)
+
+
+def _module_targets(config: ZeroConfig, name: str) -> None:
+    """A field naming module classes: a list or tuple of classes or class names, stored as a tuple."""
+    value = getattr(config, name)
+    if isinstance(value, (str, type)):
+        example = value if isinstance(value, str) else value.__name__
+        raise ValueError(f"{name}={value!r} must be a list of module classes or class names, not a single "
+                         f"{'string' if isinstance(value, str) else 'class'}: write {name}=[{example!r}].")
+    try:
+        targets = tuple(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be a list of module classes or class names, e.g. ['Block'].") from None
+    bad = [t for t in targets if not isinstance(t, (str, type)) or t == ""]
+    if bad:
+        raise ValueError(f"{name} holds {bad!r}, which are not module classes or class names; e.g. ['Block'].")
+    object.__setattr__(config, name, targets)

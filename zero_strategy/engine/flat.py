@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .collectives import Collectives, Pending
+from .collectives import Collectives, Describe, Pending
 from .layout import GroupLayout, Piece, Segment, align_elements, plan_group
 from .offload import HOST, host_copy
 
@@ -135,7 +135,7 @@ class FlatGroup:
 
     # ---- moving parameters in and out (sharded groups) -------------------------------------
 
-    def gather(self, comm: Collectives) -> list[Pending]:
+    def gather(self, comm: Collectives, what: Describe) -> list[Pending]:
         """Start all-gathering the full buffer; parameters point at it (valid once waited)."""
         assert not self.resident and self.shard is not None
         if self.buffer is not None:
@@ -146,7 +146,7 @@ class FlatGroup:
         self._point_params_at(self.buffer)
         shard = self.shard.to(self.device, non_blocking=True)  # a host shard goes to the device first
         return [comm.all_gather(self.segment_of(self.buffer, seg),
-                                shard[seg.shard_start : seg.shard_start + seg.shard_numel])
+                                shard[seg.shard_start : seg.shard_start + seg.shard_numel], what)
                 for seg in self.segments]
 
     def release(self) -> None:

@@ -45,11 +45,13 @@ a few buckets (as DeepSpeed's two reduce buckets do) while still overlapping bac
 
 
 class _StagingPool:
-    """Staging buffers kept for reuse across segments and steps: allocating (and on CPU faulting
-    in) fresh memory for every bucket of every backward costs more than the copies themselves."""
+    """Staging buffers reused across the segments of one backward: allocating (and on CPU faulting
+    in) fresh memory for every bucket costs more than the copies themselves. The pool is emptied
+    when backward ends, so between steps no staging memory is held (at stage 3 a unit's segment can
+    be as large as the unit); the next backward allocates its few buffers again, which the CUDA
+    caching allocator, and glibc for buffers up to its 32 MiB mmap threshold, serve without new pages."""
 
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
+    def __init__(self) -> None:
         self.free: list[torch.Tensor] = []
 
     def take(self, group: FlatGroup, numel: int) -> torch.Tensor:
@@ -63,9 +65,8 @@ class _StagingPool:
     def give(self, buffer: torch.Tensor) -> None:
         self.free.append(buffer)
 
-    def trim(self) -> None:
-        """Keep the ``keep`` largest buffers: enough for the reductions in flight."""
-        self.free = sorted(self.free, key=torch.Tensor.numel, reverse=True)[: self.keep]
+    def clear(self) -> None:
+        self.free.clear()
 
 
 def launch_order(groups: Sequence[FlatGroup], position: Mapping[torch.nn.Parameter, int]) -> list[tuple[int, int]]:
@@ -115,7 +116,7 @@ class GradientReducer:
                 h if h is not None else torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device)
                 for g, h in zip(self.groups, self.host_grads)]
             self._shard_filled = False  # False after zero_grad: the next reduction writes, not adds
-            self._pool = _StagingPool(keep=MAX_INFLIGHT + 1)
+            self._pool = _StagingPool()
             self._reset_backward_state()
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, gi, i))
@@ -153,7 +154,8 @@ class GradientReducer:
         if self._rank_in_order[key] < self._next:  # see [Note: late gradients]
             self._late.add(key)
         elif len(self._staged[key]) == len(seg.params):
-            if self.listener is not None and len(group.segments) == 1:
+            self._segments_in[gi] += 1
+            if self.listener is not None and self._segments_in[gi] == len(group.segments):
                 self.listener.gradients_handed_over(group)
             self._launch_ready()
 
@@ -164,7 +166,7 @@ class GradientReducer:
         for key in sorted(self._late, key=self._rank_in_order.__getitem__):
             self._launch(key, accumulate=True)
         self._finish(len(self._inflight))
-        self._pool.trim()
+        self._pool.clear()  # staging lives only during backward: see _StagingPool
         self._shard_filled = True
         self._reset_backward_state()
         if self.listener is not None:
@@ -176,6 +178,7 @@ class GradientReducer:
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
         self._staged: dict[tuple[int, int], set[int]] = {}  # parameters copied in, per segment
         self._late: set[tuple[int, int]] = set()
+        self._segments_in = [0] * len(self.groups)  # segments whose every gradient arrived, per group
         self._next = 0  # position in self.order of the next segment to launch
         self._callback_queued = False
 
@@ -212,7 +215,8 @@ class GradientReducer:
         else:
             output = torch.empty_like(target) if (self._shard_filled or accumulate) else target
         add = self._shard_filled or accumulate
-        self._inflight.append((self.comm.reduce_scatter(output, staging), buffer, output, target, add))
+        what = functools.partial(self._describe, gi, si)
+        self._inflight.append((self.comm.reduce_scatter(output, staging, what), buffer, output, target, add))
         self._finish(len(self._inflight) - MAX_INFLIGHT)
 
     def _finish(self, count: int) -> None:
@@ -246,7 +250,8 @@ class GradientReducer:
             full = group.segment_of(self.grad_buffers[gi], seg)
             if self.comm.world_size > 1:
                 full.div_(self.comm.world_size)
-            pending.append(self.comm.reduce_scatter(group.own_shard_of(self.grad_buffers[gi], seg), full))
+            pending.append(self.comm.reduce_scatter(group.own_shard_of(self.grad_buffers[gi], seg), full,
+                                                    functools.partial(self._describe, gi, si)))
         for (gi, si), p in zip(self.order, pending):  # see [Note: gradients to the host]
             p.wait()
             host = self.host_grads[gi]
@@ -255,6 +260,10 @@ class GradientReducer:
                 host[seg.shard_start : seg.shard_start + seg.shard_numel].copy_(
                     self.groups[gi].own_shard_of(self.grad_buffers[gi], seg), non_blocking=True)
         self._reduced = True
+
+    def _describe(self, gi: int, si: int) -> str:
+        return (f"reduce-scatter of gradient segment {si} of flat group {gi} ({len(self.groups[gi].segments[si].params)} "
+                f"parameters, {self.groups[gi].segments[si].numel} elements)")
 
     # ---- what the optimizer reads ----------------------------------------------------------
 
@@ -274,7 +283,7 @@ class GradientReducer:
         if not flags:
             return []
         mask = torch.tensor(flags, dtype=torch.uint8, device=self.groups[0].device)
-        self.comm.all_reduce(mask, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce(mask, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters got gradients")
         values, out = mask.tolist(), []
         for per_group in self.received:
             out.append([bool(v) for v in values[: len(per_group)]])

@@ -127,7 +127,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         check_optimizer_supported(optimizer, config)
         self.config = config
         self.optim = optimizer
-        self.comm = comm or Collectives()
+        self.comm = comm or Collectives(collective_timeout=config.collective_timeout)
         trainable = self._trainable(optimizer)
         if config.stage == 3:
             self.groups = self._groups_of(sharder, trainable)
@@ -166,6 +166,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self._step = _StepState()
         self._tiles, self._disk = self._plan_offload(config, type(optimizer), kwargs)
+        if type(self) is ZeroOptimizer:
+            self.__class__ = _named_like(type(optimizer))
 
     def _check_offloaded(self) -> None:
         """Stage 3: the sharder's groups must keep their masters where this optimizer steps them."""
@@ -262,7 +264,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bad = torch.zeros(1, dtype=torch.uint8, device=self._device)
         if self.scaler is not None:  # every rank takes part, holding gradients or not
             bad = bad.to(self._device)  # host gradients (offload) give a host flag
-            self.comm.all_reduce(bad, op=dist.ReduceOp.MAX)
+            self.comm.all_reduce(bad, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of the overflow flag")
             self._step.overflow = bool(bad.item())
 
     def piece_grads(self) -> list[torch.Tensor]:
@@ -358,7 +360,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _all_gather_params(self) -> None:
         wait_all([
-            self.comm.all_gather(g.segment_of(g.buffer, seg), g.own_shard_of(g.buffer, seg))
+            self.comm.all_gather(g.segment_of(g.buffer, seg), g.own_shard_of(g.buffer, seg),
+                                 lambda: "all-gather of the updated parameters after the step")
             for g in self.groups if g.resident for seg in g.segments
         ])
 
@@ -390,10 +393,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             norms = torch.stack(torch._foreach_norm(grads, norm_type)).double() if grads else torch.zeros(1, device=device)
             total = norms.max() if inf else norms.pow(norm_type).sum()
         total = total.to(device)
+        what = lambda: "all-reduce of the gradient norm for clipping"  # noqa: E731
         if inf:
-            self.comm.all_reduce(total, op=dist.ReduceOp.MAX)
+            self.comm.all_reduce(total, op=dist.ReduceOp.MAX, what=what)
         else:
-            self.comm.all_reduce(total)
+            self.comm.all_reduce(total, what=what)
             total = total.pow(1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         if grads:
@@ -458,3 +462,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+
+
+def _named_like(cls: type) -> type:
+    """ZeroOptimizer under the name of the optimizer class it shards.
+
+    [Note: optimizer names]
+    Code that names an optimizer by its class (Lightning's LearningRateMonitor logs ``lr-AdamW``,
+    progress bars, users' callbacks) should see the user's optimizer, not the wrapper. So each
+    ZeroOptimizer becomes an instance of a subclass named after the inner class (``AdamW``); it is
+    still a ZeroOptimizer in every other respect, and is registered in this module under a unique
+    name so that pickle finds it.
+    """
+    qualname = f"_Zero{cls.__name__}_{cls.__module__.replace('.', '_')}"
+    named = globals().get(qualname)
+    if named is None:
+        named = type(cls.__name__, (ZeroOptimizer,), {"__module__": __name__, "__qualname__": qualname,
+                                                      "__doc__": f"ZeroOptimizer sharding a {cls.__name__}."})
+        globals()[qualname] = named
+    return named

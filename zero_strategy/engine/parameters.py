@@ -1,17 +1,14 @@
 """Stage 3: parameters live as shards; a unit is gathered just before it runs and released after.
 
-[Note: units]
-A *unit* is the set of parameters gathered with one all-gather per flat group: the parameters of
-each module whose class the user names (``shard_modules=["Block"]``), or, without names, of each
-module whose not yet claimed parameters reach ``min_unit_numel``. A parameter held by modules of
-two units (tied embeddings) goes to the *root unit*, with every parameter no unit claims. Small
-parameters (fewer than ``persist_numel`` elements) are *resident*: whole on every rank, as at
-stage 2. Inside a unit, parameters split into flat groups by dtype, device and requires_grad, so
-frozen weights are gathered but never reduced.
+Which parameters form which unit is planned in unit_plan.py (see [Note: units] and
+[Note: default units]); a unit's own lifecycle is in unit.py. This file decides when: from the
+modules' hooks, in the order the model runs them, with prefetch and the order guard.
 
 [Note: when units are gathered]
-- forward: a unit's module gathers it in a pre-forward hook and releases it in a forward hook;
-  with grad enabled, a hook on the module's outputs gathers it again when backward reaches them.
+- forward: a unit's module gathers it in a pre-forward hook. The unit is released after the forward
+  of its last module, or when another unit starts (a unit of several modules called out of order),
+  or when the pass ends. With grad enabled, a hook on the module's outputs gathers it again when
+  backward reaches them.
 - backward: the unit is released once all its trainable parameters have handed over their
   gradients (the gradient reducer says so), or when backward ends.
 - recomputation: a unit's forward run *during* backward (non-reentrant activation checkpointing
@@ -19,11 +16,12 @@ frozen weights are gathered but never reduced.
   counts as forward order: the unit's own backward comes next, and its gradients' hand-over
   releases it. Released there, its parameters would be empty when its gradients accumulate.
 - root: gathered by the top module's pre-forward hook (and by ``hold_root`` around a training
-  step) and kept until backward ends, since its parameters may be used anywhere in the step.
+  step) and held until backward ends, since its parameters may be used anywhere in the step.
 - prefetch: each unit remembers which unit ran after it (and before it) last time; entering a unit
   starts the next one's all-gather. A wrong guess only costs memory until that unit runs or the
   pass ends. Every rank must run the same units in the same order (as with any ZeRO-3), so the
-  guesses, and the collectives they issue, agree across ranks.
+  guesses, and the collectives they issue, agree across ranks; the order guard checks it (see
+  [Note: order guard] in order_guard.py).
 
 [Note: init-time sharding]
 A model built on the meta device (ZeroStrategy's ``model_sharded_context``, around Lightning's
@@ -37,29 +35,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .collectives import Collectives, Pending, wait_all
+from ..config import ZeroConfig
+from .collectives import Collectives
 from .flat import FlatGroup
-
-
-@dataclass(eq=False)
-class Unit:
-    name: str
-    groups: list[FlatGroup]
-    module: Optional[nn.Module]  # whose forward gathers it; None for the root unit
-    pending: list[Pending] = field(default_factory=list)
-    users: int = 0  # forwards in progress that need it
-    held: bool = False  # kept gathered until backward ends (the root during a training step)
-
-    @property
-    def gathered(self) -> bool:
-        return bool(self.groups) and self.groups[0].gathered
+from .order_guard import BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE, OrderGuard
+from .unit import Unit, UnitState
+from .unit_plan import UnitPlan, plan_units
 
 
 def _split(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
@@ -76,54 +63,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _matches(module: nn.Module, shard_modules: Sequence[Union[str, type]]) -> bool:
-    return any(type(module).__name__ == s if isinstance(s, str) else isinstance(module, s) for s in shard_modules)
-
-
-def plan_units(module: nn.Module, shard_modules: Sequence[Union[str, type]], min_unit_numel: int,
-               persist_numel: int) -> tuple[list[tuple[str, nn.Module, list[nn.Parameter]]], list[nn.Parameter],
-                                            list[nn.Parameter]]:
-    """(name, module, parameters) per unit, the root unit's parameters, and the resident ones."""
-    owners: dict[nn.Parameter, set[str]] = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for p in mod.parameters(recurse=False):
-            owners.setdefault(p, set()).add(mod_name)
-    order = list(dict.fromkeys(p for p in module.parameters()))  # model order, each once
-
-    roots: dict[str, nn.Module] = {}
-    if shard_modules:
-        roots = {n: m for n, m in module.named_modules() if n and _matches(m, shard_modules)}
-    else:  # by size, from the leaves up: a module becomes a unit when it holds enough unclaimed elements
-        claimed: set[nn.Parameter] = set()
-        for n, m in reversed(list(module.named_modules())):
-            if not n:
-                continue
-            mine = [p for p in dict.fromkeys(m.parameters()) if p not in claimed]
-            if sum(p.numel() for p in mine) >= min_unit_numel:
-                roots[n] = m
-                claimed.update(mine)
-        roots = {n: roots[n] for n, _ in module.named_modules() if n in roots}  # back to model order
-
-    def unit_of(mod_name: str) -> Optional[str]:  # the innermost unit module enclosing mod_name
-        best = None
-        for r in roots:
-            if (mod_name == r or mod_name.startswith(r + ".")) and (best is None or len(r) > len(best)):
-                best = r
-        return best
-
-    resident = [p for p in order if p.numel() < persist_numel]
-    members: dict[str, list[nn.Parameter]] = {r: [] for r in roots}
-    root_params = []
-    for p in order:
-        if p.numel() < persist_numel:
-            continue
-        units = {unit_of(o) for o in owners[p]}
-        (members[units.pop()] if len(units) == 1 and None not in units else root_params).append(p)
-    units = [(r, roots[r], ps) for r, ps in members.items() if ps]
-    return units, root_params, resident
-
-
-def shard_module(module: nn.Module, config, comm: Optional[Collectives] = None,
+def shard_module(module: nn.Module, config: ZeroConfig, comm: Optional[Collectives] = None,
                  device: Optional[torch.device] = None,
                  optimizers: Sequence[torch.optim.Optimizer] = ()) -> "ParameterSharder":
     """Shard ``module``'s parameters as ``config`` (a ZeroConfig with stage=3) says.
@@ -132,11 +72,8 @@ def shard_module(module: nn.Module, config, comm: Optional[Collectives] = None,
     materialised on ``device`` one unit at a time (see [Note: init-time sharding]). Pass the
     ``optimizers`` that will step the module when there are several, created before sharding.
     """
-    owner_of = {p: i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
-    return ParameterSharder(module, comm or Collectives(), config.shard_modules, config.unit_min_params,
-                            config.param_persistence_threshold, config.prefetch, device, config.master_dtype,
-                            owner_of, offload_optimizer=config.offload_optimizer,
-                            offload_params=config.offload_params)
+    return ParameterSharder(module, config, comm or Collectives(collective_timeout=config.collective_timeout),
+                            device, optimizers)
 
 
 def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], device: torch.device) -> None:
@@ -160,33 +97,34 @@ def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], de
 class ParameterSharder:
     """Shards ``module``'s parameters over the ranks of ``comm`` and gathers them around their use.
 
-    ``offload_params`` keeps every sharded group's shard in host memory (pinned on CUDA): a unit's
-    gather copies it to the device just before the all-gather, and the full buffer is the only
-    device copy, dropped on release. ``offload_optimizer`` puts the trainable groups' master
+    ``config.offload_params`` keeps every sharded group's shard in host memory (pinned on CUDA): a
+    unit's gather copies it to the device just before the all-gather, and the full buffer is the only
+    device copy, dropped on release. ``config.offload_optimizer`` puts the trainable groups' master
     shards in host memory (see [Note: offloaded groups] in flat.py).
     """
 
-    def __init__(self, module: nn.Module, comm: Collectives, shard_modules: Sequence[Union[str, type]] = (),
-                 min_unit_numel: int = 10_000_000, persist_numel: int = 100_000, prefetch: bool = True,
-                 device: Optional[torch.device] = None, master_dtype: Optional[torch.dtype] = torch.float32,
-                 optimizer_of: Optional[dict[nn.Parameter, int]] = None, offload_optimizer: bool = False,
-                 offload_params: bool = False) -> None:
+    def __init__(self, module: nn.Module, config: ZeroConfig, comm: Collectives,
+                 device: Optional[torch.device] = None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         self.module = module
-        self.offload_optimizer = offload_optimizer  # trainable groups keep their master in host memory
-        self.offload_params = offload_params  # sharded groups keep their shard in host memory
-        self._optimizer_of = optimizer_of or {}
+        self.config = config
         self.comm = comm
-        self.prefetch = prefetch
         self._device = device
-        self._master_dtype = master_dtype
+        self._optimizer_of = {p: i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
         self._owners: dict[nn.Parameter, list[nn.Module]] = {}
         for mod in module.modules():
             for p in mod.parameters(recurse=False):
                 self._owners.setdefault(p, []).append(mod)
-        planned, root_params, resident = plan_units(module, shard_modules, min_unit_numel, persist_numel)
-        self.units = [Unit(name, self._flatten(params, resident=False), mod) for name, mod, params in planned]
-        self.root = Unit("<root>", self._flatten(root_params, resident=False), None)
-        self.resident = self._flatten(resident, resident=True)
+        if not any(p.requires_grad for p in self._owners):
+            raise ValueError(f"{type(module).__name__} has no trainable parameter (every requires_grad is False), so "
+                             "there is nothing to train; unfreeze some parameters (requires_grad_(True)).")
+        element_size = next(iter(self._owners)).element_size() if self._owners else 4
+        self.plan: UnitPlan = plan_units(module, config.shard_modules, config.param_persistence_threshold,
+                                         config.bucket_numel(element_size), config.unit_params)
+        self._agree_on_plan()
+        self.units = [Unit(i, u.name, self._flatten(list(u.params), resident=False), u.modules)
+                      for i, u in enumerate(self.plan.units)]
+        self.root = Unit(len(self.units), "<root>", self._flatten(list(self.plan.root), resident=False), ())
+        self.resident = self._flatten(list(self.plan.resident), resident=True)
         meta = [n for n, b in module.named_buffers() if b.is_meta]
         if meta:
             raise ValueError(f"buffers {meta[:5]} are still on the meta device after sharding: build modules that "
@@ -194,21 +132,38 @@ class ParameterSharder:
         self._unit_of_group = {id(g): u for u in self.all_units for g in u.groups}
         self.unit_of = {p: u for u in self.all_units for g in u.groups for p in g.params}
         self.full_numel = {p: n for g in self.groups for p, n in zip(g.params, g.layout.numels)}
-        self._next_of: dict[int, Unit] = {}  # unit id -> the unit that ran after it last time
-        self._prev_of: dict[int, Unit] = {}
-        self._last: Optional[Unit] = None
+        guard_device = self._device or (self.groups[0].device if self.groups else torch.device("cpu"))
+        self.guard = OrderGuard(comm, [u.name for u in self.all_units], guard_device)
+        self.guard.enabled &= config.check_unit_order
+        self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
+        self._prev_of: dict[Unit, Unit] = {}
+        self._last: Optional[Unit] = None  # the unit entered last in this forward pass
+        self._root_held_for_step = False
+        self._in_pass = False  # between _begin_pass and _end_pass
         self._reduced: set[int] = set()  # ids of groups whose gradients were handed over in this backward
         self._handles = []
         for unit in self.units:
-            assert unit.module is not None
-            self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
-            self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
-        self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, self.root)))
-        self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, self.root)))
+            for mod in unit.modules:
+                self._handles.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
+                self._handles.append(mod.register_forward_hook(functools.partial(self._post_forward, unit)))
+        self._handles.append(module.register_forward_pre_hook(self._pre_forward_root))
+        self._handles.append(module.register_forward_hook(self._post_forward_root))
         for unit in self.all_units:
             for g in unit.groups:
                 for p in g.params:
                     p._zero_sharder = self  # for gathered_parameters()
+
+    def _agree_on_plan(self) -> None:
+        """Every rank must cut the same units, or their all-gathers would not pair up."""
+        mine = [(u.name, sum(p.numel() for p in u.params)) for u in self.plan.units]
+        plans = self.comm.all_gather_object(mine)
+        for rank, theirs in enumerate(plans):
+            if theirs != mine:
+                diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), (len(mine), len(theirs)))
+                raise ValueError(
+                    f"ZeRO stage 3: rank {rank} planned other units than rank {self.comm.rank} (first difference: "
+                    f"{diff[1]} there, {diff[0]} here): the ranks built different models. Build the same model on "
+                    "every rank (same code, config and dtype).")
 
     def _flatten(self, params: list[nn.Parameter], resident: bool) -> list[FlatGroup]:
         """Flat groups of ``params``, materialised first if they are meta (one unit at a time)."""
@@ -216,12 +171,17 @@ class ParameterSharder:
         if on_meta:
             owners = list(dict.fromkeys(m for p in on_meta for m in self._owners[p]))
             _materialize(on_meta, owners, self._device or torch.device("cpu"))
-        n, r = self.comm.world_size, self.comm.rank
-        return [FlatGroup(ps, n, r, resident=resident, broadcast_from=self.comm,
-                          master_dtype=self._master_dtype if ps[0].requires_grad else None,
-                          offload_master=self.offload_optimizer and ps[0].requires_grad,
-                          offload_shard=self.offload_params and not resident)
-                for ps in _split(params, self._optimizer_of)]
+        n, r, config = self.comm.world_size, self.comm.rank, self.config
+        groups = []
+        for ps in _split(params, self._optimizer_of):
+            trainable = ps[0].requires_grad
+            # sharded groups are cut into buckets too, so a big unit (the root) is reduced in pieces
+            bucket = {} if resident else {"bucket_numel": config.bucket_numel(ps[0].element_size())}
+            groups.append(FlatGroup(ps, n, r, resident=resident, broadcast_from=self.comm,
+                                    master_dtype=config.master_dtype if trainable else None,
+                                    offload_master=config.offload_optimizer and trainable,
+                                    offload_shard=config.offload_params and not resident, **bucket))
+        return groups
 
     @property
     def all_units(self) -> list[Unit]:
@@ -234,62 +194,103 @@ class ParameterSharder:
 
     # ---- gather and release ----------------------------------------------------------------
 
-    def gather(self, unit: Unit, wait: bool = True) -> None:
-        for g in unit.groups:
-            unit.pending += g.gather(self.comm)
+    def gather(self, unit: Unit, phase: int = OUTSIDE, wait: bool = True, context: Optional[Unit] = None) -> None:
+        """Gather ``unit`` (after the order guard agreed on it: see [Note: order guard]); ``context``
+        is the unit whose hook asks, for the guard's message."""
+        if unit.state is UnitState.RELEASED:
+            self.guard.check(unit.index, phase, context.index if context is not None else -1)
+            unit.gather(self.comm, lambda: f"all-gather of stage-3 unit {unit.name!r} ({PHASES[phase]}, "
+                                           f"pass {self.guard.passes})")
         if wait:
-            wait_all(unit.pending)
-
-    def release(self, unit: Unit) -> None:
-        if unit.gathered and unit.users == 0 and not unit.held:
-            wait_all(unit.pending)
-            for g in unit.groups:
-                g.release()
+            unit.wait()
 
     def hold_root(self) -> None:
-        """Gather the root unit and keep it until backward ends (or ``release_root``)."""
-        self.gather(self.root)
-        self.root.held = True
+        """Gather the root unit and keep it until backward ends (or ``release_root``): a training,
+        validation, test or predict step begins."""
+        self._begin_pass()
+        if not self._root_held_for_step:
+            self.root.hold()
+            self._root_held_for_step = True
+        self.gather(self.root, FORWARD)
 
     def release_root(self) -> None:
-        self.root.held = False
-        self.release(self.root)
+        if self._root_held_for_step:
+            self._root_held_for_step = False
+            self.root.unhold()
+        if self.root.users == 0:
+            self._end_pass()
 
     # ---- hooks -----------------------------------------------------------------------------
 
+    def _pre_forward_root(self, module: nn.Module, args) -> None:
+        if self.root.users == 0 and not _in_backward():
+            self._begin_pass()
+        self.gather(self.root, RECOMPUTE if _in_backward() else FORWARD)
+        self.root.users += 1
+
+    def _post_forward_root(self, module: nn.Module, args, output) -> None:
+        self.root.users -= 1
+        if _in_backward() or self.root.users:
+            return
+        if torch.is_grad_enabled():
+            self._hook_backward(self.root, output)
+            if not self._root_held_for_step:  # see [Note: when units are gathered]
+                self.root.hold()
+                self._root_held_for_step = True
+        else:  # an evaluation pass ended: nothing stays gathered for a backward
+            self._end_pass()
+
     def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
-        self.gather(unit)
+        if _in_backward():  # a recomputation: see [Note: when units are gathered]
+            self.gather(unit, RECOMPUTE)
+            unit.users += 1
+            return
+        previous = self._last
+        if previous is not None and previous is not unit:
+            self._next_of[previous] = unit
+            self._prev_of[unit] = previous
+            previous.release()  # done with, unless a forward of its own is still running (nesting)
+        self._last = unit
+        self.gather(unit, FORWARD, context=previous)
         unit.users += 1
-        if unit is not self.root and not _in_backward():  # see [Note: when units are gathered]
-            if self._last is not None and self._last is not unit:
-                self._next_of[id(self._last)] = unit
-                self._prev_of[id(unit)] = self._last
-            self._last = unit
-            self._prefetch(self._next_of.get(id(unit)))
+        self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
         unit.users -= 1
         if _in_backward():
             return  # a recomputation: see [Note: when units are gathered]
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, unit), mode="any")
-            if unit is self.root:
-                unit.held = True  # see [Note: when units are gathered]
-        if unit is self.root and unit.users == 0 and not torch.is_grad_enabled():
-            self._last = None  # a pass ended: the next forward starts a new order
-        self.release(unit)
+            self._hook_backward(unit, output)
+        if module is unit.modules[-1]:
+            unit.release()
+
+    def _hook_backward(self, unit: Unit, output) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit),
+                                                          mode="any")
 
     def _pre_backward(self, unit: Unit, grad) -> None:
-        self.gather(unit)
+        self.gather(unit, BACKWARD)
         if unit is not self.root:
-            self._prefetch(self._prev_of.get(id(unit)))
+            self._prefetch(self._prev_of.get(unit), PREFETCH_BACKWARD, unit)
 
-    def _prefetch(self, unit: Optional[Unit]) -> None:
-        if self.prefetch and unit is not None and not unit.gathered:
-            self.gather(unit, wait=False)
+    def _prefetch(self, unit: Optional[Unit], phase: int, context: Unit) -> None:
+        if self.config.prefetch and unit is not None and unit.state is UnitState.RELEASED:
+            self.gather(unit, phase, wait=False, context=context)
+
+    def _begin_pass(self) -> None:
+        """A forward pass (and its backward) begins: the root's forward, or a step around it."""
+        if not self._in_pass:
+            self._in_pass = True
+            self.guard.begin_pass()
+
+    def _end_pass(self) -> None:
+        self._in_pass = False
+        self._last = None
+        for unit in self.all_units:
+            unit.release()
+        self.guard.flush()
 
     # ---- called by the gradient reducer ----------------------------------------------------
 
@@ -299,14 +300,11 @@ class ParameterSharder:
         unit = self._unit_of_group.get(id(group))
         if unit is not None and unit is not self.root:
             if all(id(g) in self._reduced for g in unit.groups if g.params[0].requires_grad):
-                self.release(unit)
+                unit.release()
 
     def backward_finished(self) -> None:
         self._reduced.clear()
-        self.root.held = False
-        for unit in self.all_units:
-            self.release(unit)
-        self._last = None
+        self.release_root()  # ends the pass
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Parameter storage held now: every shard, and the full buffers of gathered or resident groups."""
@@ -340,7 +338,7 @@ class ParameterSharder:
         for unit in self.all_units:
             self.gather(unit)
             copy_out(unit.groups)
-            self.release(unit)
+            unit.release()
         copy_out(self.resident)
         for key, value in entries.items():
             if key not in out:  # buffers
@@ -375,7 +373,7 @@ class ParameterSharder:
                 for g in unit.groups:
                     load_params(g)
                     g.save_own_slices()
-                self.release(unit)
+                unit.release()
             for g in self.resident:
                 load_params(g)
                 g.master_from_weights()
@@ -402,34 +400,34 @@ def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
     sharders = dict.fromkeys(s for s in (getattr(p, "_zero_sharder", None) for p in params) if s is not None)
     wanted = set(params)
     units = [(s, u) for s in sharders for u in s.all_units if any(p in wanted for g in u.groups for p in g.params)]
-    held_before = [u.held for _, u in units]
     for s, u in units:
+        u.hold()  # forwards inside the block must not release it
         s.gather(u)
-        u.held = True  # forwards inside the block must not release it
     try:
         yield
     finally:
         if modifier_rank is not None:
-            _adopt_values_of(modifier_rank, params, [u for _, u in units])
+            _adopt_values_of(modifier_rank, params, units)
             for g in (g for sharder in sharders for g in sharder.resident if any(p in wanted for p in g.params)):
                 g.master_from_weights()  # the broadcast values, into the fp32 masters too
-        for (s, u), before in zip(units, held_before):
-            u.held = before
-            s.release(u)
+        for _, u in units:
+            u.unhold()
 
 
-def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[Unit]) -> None:
+def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple["ParameterSharder", Unit]]) -> None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
+    what = f"broadcast of gathered_parameters' edits from rank {rank}"
     with torch.no_grad():
-        for u in units:
+        for sharder, u in units:
             for g in u.groups:
                 assert g.buffer is not None
-                dist.broadcast(g.buffer, src=rank)
+                sharder.comm.broadcast(g.buffer, src=rank, what=lambda: what)
                 g.save_own_slices()
-        in_units = {p for u in units for g in u.groups for p in g.params}
+        in_units = {p for _, u in units for g in u.groups for p in g.params}
+        comm = units[0][0].comm if units else Collectives()
         for p in params:
             if p not in in_units:
-                dist.broadcast(p.data, src=rank)
+                comm.broadcast(p.data, src=rank, what=lambda: what)

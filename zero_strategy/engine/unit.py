@@ -1,0 +1,78 @@
+"""A stage-3 unit: flat groups gathered and released together, with a named state.
+
+The unit owns its lifecycle (``gather``, ``wait``, ``release``, ``hold``); the sharder
+(parameters.py) decides *when*, from the modules' hooks, and keeps the order and prefetch.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+from torch import nn
+
+from .collectives import Collectives, Pending, wait_all
+from .flat import FlatGroup
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameters are, and so what it holds in memory."""
+
+    RELEASED = "released"
+    """Only this rank's shards (1/N of the unit); the parameters are empty tensors."""
+    GATHERING = "gathering"
+    """All-gathers in flight into the full buffers (the whole unit is allocated); not readable yet."""
+    GATHERED = "gathered"
+    """The whole unit, in the full buffers its parameters are views of."""
+
+
+class Unit:
+    """The parameters gathered around its ``modules``' forward and backward (see [Note: units])."""
+
+    def __init__(self, index: int, name: str, groups: list[FlatGroup], modules: tuple[nn.Module, ...]) -> None:
+        self.index = index
+        self.name = name
+        self.groups = groups
+        self.modules = modules  # whose forwards gather it; () for the root unit
+        self.state = UnitState.RELEASED
+        self.users = 0  # forwards of its modules in progress
+        self.holds = 0  # reasons to keep it gathered past its forward: see hold()
+        self._pending: list[Pending] = []
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the full buffers exist (all-gathers may still be in flight)."""
+        return self.state is not UnitState.RELEASED
+
+    def gather(self, comm: Collectives, what: Callable[[], str]) -> None:
+        """Start the all-gathers of a released unit (nothing otherwise); ``wait()`` before reading."""
+        if self.state is not UnitState.RELEASED:
+            return
+        for g in self.groups:
+            self._pending += g.gather(comm, what)
+        self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        if self.state is UnitState.GATHERING:
+            wait_all(self._pending)
+            self.state = UnitState.GATHERED
+
+    def release(self) -> bool:
+        """Free the full buffers unless a forward is using the unit or something holds it; True if freed."""
+        if self.state is UnitState.RELEASED or self.users or self.holds:
+            return False
+        wait_all(self._pending)  # a prefetch nobody used: its buffers are written until it completes
+        for g in self.groups:
+            g.release()
+        self.state = UnitState.RELEASED
+        return True
+
+    def hold(self) -> None:
+        """Keep the unit gathered until a matching ``unhold`` (the root for a training step,
+        ``gathered_parameters`` for its block); holds nest."""
+        self.holds += 1
+
+    def unhold(self) -> None:
+        assert self.holds > 0, f"unit {self.name!r} is not held"
+        self.holds -= 1
+        self.release()

@@ -1,0 +1,130 @@
+"""A hung collective ends the process, saying what it waited for.
+
+[Note: hang watchdog]
+When ranks disagree about what comes next (one skipped a module, one is still writing a file),
+the others wait in a collective that no peer will join. gloo would only give up at the process
+group's timeout (30 minutes by default) with a message that names no cause, and a process blocked
+in C++ does not even run Python's SIGTERM handler, so the job cannot be stopped cleanly either.
+
+So the engine waits for its gloo collectives in slices of ``POLL_S`` seconds. A wait that lasts
+longer than ``limit_s`` prints, on this rank, which collective it was (the unit or gradient
+segment, the phase and pass) and how long it waited, and ends the process with exit code
+``HANG_EXIT_CODE``; every rank of a hung job does the same with its own collective, or sees its
+peer's connection close and raises naming its collective. Between slices Python runs signal
+handlers: ``install_sigterm_handler`` makes SIGTERM that arrives during such a wait end the process
+(exit 143) if the collective does not complete within the slice, and otherwise hands the signal to
+the handler that was there before, once the wait is over (Lightning's own handler issues a
+collective, which must not run in the middle of another).
+
+NCCL collectives are not waited for on the host (``wait()`` only orders CUDA streams), so they are
+left to NCCL's own watchdog, which aborts at the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+POLL_S = 1.0
+"""A slice of a watched wait: how late a SIGTERM may be handled, and the limit's resolution."""
+
+HANG_EXIT_CODE = 124
+"""Exit code of a process the watchdog ended (as ``timeout(1)`` uses)."""
+
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer's connection closed, the process group timed out)."""
+
+
+_waiting = threading.local()  # .what: the collective the main thread waits for now (None: none)
+_deferred_signal: list[tuple[int, Any]] = []  # SIGTERM received during a wait, for the previous handler
+_previous_handler: Any = None
+
+
+class Watchdog:
+    """Waits for one process group's collectives with a time limit (see [Note: hang watchdog])."""
+
+    def __init__(self, limit_s: Optional[float], rank: int, backend: str) -> None:
+        self.limit_s = limit_s
+        self.rank = rank
+        self.watched = limit_s is not None and backend == "gloo"
+
+    def wait(self, work: dist.Work, what: Callable[[], str]) -> None:
+        """Wait for ``work``; ``what()`` describes it if the wait fails or outlasts the limit."""
+        if not self.watched:
+            work.wait()
+            return
+        start = time.monotonic()
+        _waiting.what = what
+        try:
+            while True:
+                try:
+                    work.wait(timeout=datetime.timedelta(seconds=POLL_S))
+                    break
+                except RuntimeError as err:
+                    if "operation timed out" not in str(err).lower():  # not our slice ending: a real failure
+                        raise CollectiveError(f"rank {self.rank}: the {what()} failed: {err}") from err
+                waited = time.monotonic() - start
+                if _deferred_signal:
+                    self._end(what, waited, "received SIGTERM while waiting", SIGTERM_EXIT_CODE)
+                if waited >= self.limit_s:  # type: ignore[operator]
+                    self._end(what, waited, f"waited more than collective_timeout={self.limit_s:g} s",
+                              HANG_EXIT_CODE)
+        finally:
+            _waiting.what = None
+        if _deferred_signal:
+            _run_deferred_signal()
+
+    def _end(self, what: Callable[[], str], waited: float, why: str, code: int) -> None:
+        message = (f"zero_strategy: rank {self.rank} {why} for the {what()} ({waited:.0f} s). The other ranks did "
+                   "not join this collective: they are waiting in a different one, or stopped. At stage 3 every rank "
+                   "must run the same modules in the same order; see each rank's message for where it was. Ending "
+                   f"this process (exit code {code}).")
+        print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if getattr(_waiting, "what", None) is not None:
+        _deferred_signal.append((signum, frame))  # the wait loop ends the process or hands it on
+        return
+    _call_previous(signum, frame)
+
+
+def _run_deferred_signal() -> None:
+    signum, frame = _deferred_signal.pop()
+    _deferred_signal.clear()
+    _call_previous(signum, frame)
+
+
+def _call_previous(signum: int, frame: Any) -> None:
+    previous = _previous_handler
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:  # the default action: end the process as SIGTERM would
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def install_sigterm_handler() -> None:
+    """Route SIGTERM through the watchdog (see [Note: hang watchdog]); call it after other code (such
+    as Lightning's Trainer) has installed its own handler, which is kept and called. Main thread only;
+    a no-op elsewhere, and when installed already."""
+    global _previous_handler
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm:
+        return
+    _previous_handler = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
