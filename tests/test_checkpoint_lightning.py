@@ -56,7 +56,8 @@ def test_model_checkpoint_writes_directories_and_keeps_top_k_and_last(root):
         assert sorted(p.name for p in ckpt.iterdir()) == [
             "index.json", "rank_00000.safetensors", "rank_00001.safetensors", "trainer_state.pt"]
     assert not [p for p in out.rglob(".*")], "a partial or old directory was left behind"
-    assert ranks[0]["scheduler_on"] == "ZeroOptimizer"  # Lightning pairs the optimizer with its scheduler
+    assert ranks[0]["scheduler_on"]  # Lightning pairs the (sharded) optimizer with its scheduler
+    assert ranks[0]["optimizer_name"] == "AdamW"  # what LearningRateMonitor names it after: lr-AdamW
     ddp_out, ddp = run(root, "ddp")
     for z, d in zip(ranks, ddp):
         torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(d["losses"]), rtol=1e-5, atol=1e-7)

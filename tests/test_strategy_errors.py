@@ -34,6 +34,11 @@ def test_registration_is_idempotent_and_names_resolve():
     ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a positive"),
     ({"bucket_cap_mb": -5.0}, r"bucket_cap_mb=-5.0"),
     ({"start_method": "thread"}, r"start_method='thread' is not one of"),
+    ({"stage": 3, "shard_modules": "Block"}, r"shard_modules='Block' must be a list .*shard_modules=\['Block'\]"),
+    ({"activation_checkpointing": "Block"}, r"activation_checkpointing='Block' must be a list"),
+    ({"timeout": "30"}, r"timeout='30' must be a datetime.timedelta or a positive number of seconds"),
+    ({"timeout": -1}, r"timeout=-1 must be"),
+    ({"collective_timeout": "soon"}, r"collective_timeout='soon' must be a positive number of seconds"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -151,3 +156,24 @@ def test_a_second_fit_at_stage_3_trains_the_whole_parameters_again():
     trainer.fit(model)
     assert trainer.global_step == 4
     assert not torch.equal(model.layer[0].bias.detach(), bias)  # trained in the second fit
+
+
+def test_a_timeout_in_seconds_becomes_a_timedelta():
+    from datetime import timedelta
+
+    assert ZeroStrategy(timeout=30)._timeout == timedelta(seconds=30)
+    assert ZeroStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)
+
+
+def test_a_model_with_nothing_to_train_is_refused_at_setup():
+    model = _TwoLinears()
+    model.requires_grad_(False)
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match=r"_TwoLinears has no trainable parameter .*requires_grad_\(True\)"):
+            _trainer(strategy=ZeroStrategy(stage=stage)).fit(model)
+
+
+def test_shard_modules_that_match_nothing_list_the_model_classes():
+    with pytest.raises(ValueError, match=r"shard_modules=\['NoSuchBlock'\] matches no module of _TwoLinears.*"
+                                         r"Linear \(2\)"):
+        _trainer(strategy=ZeroStrategy(stage=3, shard_modules=["NoSuchBlock"])).fit(_TwoLinears())

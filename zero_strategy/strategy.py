@@ -41,12 +41,23 @@ from .checkpoint import (CheckpointError, CheckpointReader, is_sharded_checkpoin
 from .checkpoint.sharded import flat_groups, on_every_rank
 from .config import ZeroConfig
 from .engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
+from .engine.watchdog import install_sigterm_handler
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _STATE_DICT_TYPES = ("sharded", "full")
 _SHARDED = "_zero_sharded_checkpoint"  # a loaded checkpoint's reader, for the load hooks below
+
+
+def _as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:
+    """The process group's timeout: a timedelta, or a number of seconds (converted), or None."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return timedelta(seconds=timeout)
+    raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta or a positive number of seconds (the "
+                     "process group's timeout; the default is 30 minutes).")
 
 
 class _FullWeightsLauncher(_MultiProcessingLauncher):
@@ -88,7 +99,7 @@ class ZeroStrategy(ParallelStrategy):
         stage: int = 2,
         bucket_cap_mb: float = 25.0,
         shard_modules: Sequence[Union[str, type]] = (),
-        unit_min_params: int = 10_000_000,
+        unit_params: Optional[int] = None,
         param_persistence_threshold: int = 100_000,
         prefetch: bool = True,
         allow_untested_optimizer: bool = False,
@@ -99,24 +110,27 @@ class ZeroStrategy(ParallelStrategy):
         activation_checkpointing: Sequence[Union[str, type]] = (),
         activation_checkpointing_interval: int = 1,
         offload_activations: bool = False,
+        check_unit_order: bool = True,
+        collective_timeout: Optional[float] = 600.0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[timedelta, float, None] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         state_dict_type: Literal["sharded", "full"] = "sharded",
     ) -> None:
         self.config = ZeroConfig(
-            stage=stage, bucket_cap_mb=bucket_cap_mb, shard_modules=tuple(shard_modules),
-            unit_min_params=unit_min_params, param_persistence_threshold=param_persistence_threshold,
+            stage=stage, bucket_cap_mb=bucket_cap_mb, shard_modules=shard_modules,
+            unit_params=unit_params, param_persistence_threshold=param_persistence_threshold,
             prefetch=prefetch, allow_untested_optimizer=allow_untested_optimizer,
             offload_optimizer=offload_optimizer, offload_params=offload_params, offload_dir=offload_dir,
-            offload_tile_mb=offload_tile_mb, activation_checkpointing=tuple(activation_checkpointing),
+            offload_tile_mb=offload_tile_mb, activation_checkpointing=activation_checkpointing,
             activation_checkpointing_interval=activation_checkpointing_interval,
-            offload_activations=offload_activations,
+            offload_activations=offload_activations, check_unit_order=check_unit_order,
+            collective_timeout=collective_timeout,
         )
         if state_dict_type not in _STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not one of {_STATE_DICT_TYPES}: 'sharded' (the "
@@ -131,8 +145,9 @@ class ZeroStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = _as_timedelta(timeout)
         self._start_method = start_method
+        self._comm: Optional[Collectives] = None  # every collective of the engine, once the process group exists
         self._sharder: Optional[ParameterSharder] = None  # stage 3: holds the model's shards
 
     # ---- what Lightning asks about the layout of processes ---------------------------------
@@ -201,6 +216,14 @@ class ZeroStrategy(ParallelStrategy):
                 f"{self.world_size} (num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many "
                 "processes as Trainer(devices=..., num_nodes=...) asks for."
             )
+        self._comm = Collectives(collective_timeout=self.config.collective_timeout)
+
+    @property
+    def comm(self) -> Collectives:
+        """The engine's collectives over the whole world (see engine/collectives.py)."""
+        if self._comm is None:  # a world of one without a process group (tests that skip setup_environment)
+            self._comm = Collectives(collective_timeout=self.config.collective_timeout)
+        return self._comm
 
     # ---- model and optimizers --------------------------------------------------------------
 
@@ -218,6 +241,10 @@ class ZeroStrategy(ParallelStrategy):
                                            self.config.activation_checkpointing_interval,
                                            offload=self.config.offload_activations)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError(f"{type(self.lightning_module).__name__} has no trainable parameter (every requires_grad "
+                             "is False), so there is nothing to fit; unfreeze the parameters to train "
+                             "(requires_grad_(True)), or call trainer.validate/test/predict instead.")
         if fitting:
             self.setup_optimizers(trainer)
         if self.config.stage == 3:
@@ -226,10 +253,10 @@ class ZeroStrategy(ParallelStrategy):
             _sync_module_states(self.model)  # every rank starts from rank 0's weights and buffers
         if fitting:
             order = {p: i for i, p in enumerate(self.model.parameters())}
-            comm, scaler = Collectives(), self.precision_plugin.scaler
+            scaler = self.precision_plugin.scaler
             self.optimizers = [
                 opt if isinstance(opt, ZeroOptimizer)
-                else ZeroOptimizer(opt, self.engine_config, comm, order, self._sharder, scaler)
+                else ZeroOptimizer(opt, self.engine_config, self.comm, order, self._sharder, scaler)
                 for opt in self.optimizers
             ]
         self.setup_precision_plugin()
@@ -252,8 +279,8 @@ class ZeroStrategy(ParallelStrategy):
         if self._sharder is None or self._sharder.module is not self.model:
             for buffer in self.model.buffers():  # parameters are broadcast unit by unit while sharding
                 if not buffer.is_meta:
-                    dist.broadcast(buffer, src=0)
-            self._sharder = shard_module(self.model, self.engine_config, Collectives(), self.root_device,
+                    self.comm.broadcast(buffer, src=0, what=lambda: "broadcast of the module's buffers")
+            self._sharder = shard_module(self.model, self.engine_config, self.comm, self.root_device,
                                          self.optimizers)
         else:  # Lightning's teardown moved the module to the CPU (on CUDA), detaching the whole parameters
             for g in self._sharder.resident:
@@ -284,6 +311,20 @@ class ZeroStrategy(ParallelStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return self.config.stage == 3  # weights are loaded into the shards, which setup creates
+
+    # ---- a hung collective ends the job: see [Note: hang watchdog] in engine/watchdog.py ----------
+
+    def on_train_start(self) -> None:
+        install_sigterm_handler()  # after the Trainer installed its own, which it keeps calling
+
+    def on_validation_start(self) -> None:
+        install_sigterm_handler()
+
+    def on_test_start(self) -> None:
+        install_sigterm_handler()
+
+    def on_predict_start(self) -> None:
+        install_sigterm_handler()
 
     # ---- stage 3: the root unit is held around each step, and state dicts are gathered ------
 
@@ -346,7 +387,7 @@ class ZeroStrategy(ParallelStrategy):
             raise TypeError(f"storage_options={storage_options!r} is not supported by sharded checkpoints, which are "
                             "written by the strategy, not a CheckpointIO plugin; use state_dict_type='full' for it.")
         assert self.lightning_module is not None
-        save_sharded(filepath, checkpoint, self.lightning_module, self._zero_optimizers, self._sharder, Collectives(),
+        save_sharded(filepath, checkpoint, self.lightning_module, self._zero_optimizers, self._sharder, self.comm,
                      self.config.stage)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -370,7 +411,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if _SHARDED in checkpoint:
             reader, saved = checkpoint[_SHARDED]
-            return on_every_rank(Collectives(), lambda: load_model(
+            return on_every_rank(self.comm, lambda: load_model(
                 reader, saved, self.lightning_module, flat_groups(self._zero_optimizers, self._sharder), strict))
         if self._sharder is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
@@ -380,7 +421,7 @@ class ZeroStrategy(ParallelStrategy):
         if _SHARDED in checkpoint:
             reader, saved = checkpoint[_SHARDED]
             assert self.lightning_module is not None
-            return on_every_rank(Collectives(), lambda: load_optimizers(reader, saved, self.lightning_module,
+            return on_every_rank(self.comm, lambda: load_optimizers(reader, saved, self.lightning_module,
                                                                         self._zero_optimizers))
         return super().load_optimizer_state_dict(checkpoint)
 

@@ -83,7 +83,8 @@ def main() -> None:
     trainer.fit(model, DataLoader(tokens, batch_size=4), ckpt_path=args.resume)
     state = trainer.strategy.full_state_dict() if args.strategy != "ddp" else trainer.strategy.lightning_module_state_dict()
     torch.save({"losses": model.losses, "params": state, "best": callbacks[1].best_model_path,
-                "scheduler_on": type(trainer.lr_scheduler_configs[0].scheduler.optimizer).__name__,
+                "scheduler_on": trainer.lr_scheduler_configs[0].scheduler.optimizer is trainer.optimizers[0],
+                "optimizer_name": type(trainer.lr_scheduler_configs[0].scheduler.optimizer).__name__,
                 "optim": trainer.optimizers[0].state_dict()},
                os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
     torch.distributed.destroy_process_group()

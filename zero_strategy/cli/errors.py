@@ -14,9 +14,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from .configs import GROUPS, config_dir, group_options
 
-# what to say about an option users ask for that does not exist yet
+# added to the hint when an option of the group does not exist
 GROUP_NOTES = {
-    "strategy": "The CPU-offload presets are added when ZeroStrategy supports offload.",
+    "strategy": "Each preset is a ZeroStrategy (or Lightning's DDP) with some settings; any other setting is an "
+                "override of its arguments, e.g. strategy=zero3 strategy.offload_optimizer=true.",
     "model": "model=gpt2 and model=bert need `pip install \"zero-strategy[models]\"` (transformers).",
 }
 # flags of Hydra's command line that are followed by a value, and so are not overrides
