@@ -3,6 +3,8 @@ describes; every ``_target_`` accepts the arguments its node gives (zero_strateg
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -39,7 +41,8 @@ def composed(tmp_path, *overrides: str, config_name: str = "train"):
 
 def test_every_group_has_options():
     options = {group: group_options(group) for group in GROUPS}
-    assert options["strategy"] == ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+    assert options["strategy"] == ["ddp", "deepspeed_config", "zero1", "zero2", "zero2_offload", "zero3",
+                                   "zero3_offload"]
     assert {"gpt", "gpt2", "bert", "mlp"} <= set(options["model"])
     assert {"stdlib", "text", "synthetic", "gaussian", "corrupted_source"} <= set(options["data"])
     assert {"default", "cpu", "gpu", "multi_node"} <= set(options["trainer"])
@@ -78,6 +81,11 @@ def test_compose_and_instantiate(tmp_path, text_file, group, option):
             assert isinstance(strategy, ZeroStrategy) and strategy.config.stage == int(option[4])
             assert strategy.config.offload_optimizer == option.endswith("_offload")
             assert strategy.config.offload_params == (option == "zero3_offload")
+        elif option == "deepspeed_config":  # and with the tutorial's config file: its stage and fp16
+            assert isinstance(strategy, ZeroStrategy) and strategy.deepspeed is None
+            example = Path(__file__).parents[1] / "examples" / "deepspeed_config" / "ds_config.json"
+            strategy = instantiate(composed(tmp_path, f"strategy={option}", f"strategy.config={example}").strategy)
+            assert strategy.config.stage == 2 and strategy.precision_plugin.precision == "16-mixed"
         else:
             assert isinstance(strategy, DDPStrategy)
     elif group == "trainer":

@@ -33,6 +33,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from .activation import apply_activation_checkpointing, offload_activations
@@ -40,6 +41,8 @@ from .checkpoint import (CheckpointError, CheckpointReader, is_sharded_checkpoin
                          save_sharded)
 from .checkpoint.sharded import flat_groups, on_every_rank
 from .config import ZeroConfig
+from .deepspeed.config import DeepSpeedSettings
+from .deepspeed_config import DeepSpeedConfig, apply_to_trainer, check_batch_size, engine_settings, optimizers_from_config
 from .engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from .engine.watchdog import install_sigterm_handler
 from .memory import memory_stats
@@ -121,8 +124,9 @@ class ZeroStrategy(ParallelStrategy):
         timeout: Union[timedelta, float, None] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        config: Optional[DeepSpeedConfig] = None,
     ) -> None:
-        self.config = ZeroConfig(
+        engine = dict(
             stage=stage, bucket_cap_mb=bucket_cap_mb, shard_modules=shard_modules,
             unit_params=unit_params, param_persistence_threshold=param_persistence_threshold,
             prefetch=prefetch, allow_untested_optimizer=allow_untested_optimizer,
@@ -132,6 +136,12 @@ class ZeroStrategy(ParallelStrategy):
             offload_activations=offload_activations, check_unit_order=check_unit_order,
             collective_timeout=collective_timeout,
         )
+        self.deepspeed: Optional[DeepSpeedSettings] = None  # what a DeepSpeed config says: see deepspeed_config.py
+        if config is not None:
+            self.deepspeed, engine = engine_settings(config, engine)
+            if precision_plugin is None and self.deepspeed.precision is not None:
+                precision_plugin = ZeroPrecision(self.deepspeed.precision, **self.deepspeed.precision_kwargs)
+        self.config = ZeroConfig(**engine)
         if state_dict_type not in _STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not one of {_STATE_DICT_TYPES}: 'sharded' (the "
                              "default) saves a checkpoint directory, each rank writing what it owns; 'full' gathers "
@@ -232,6 +242,8 @@ class ZeroStrategy(ParallelStrategy):
         # that groups by p.dim() sees real ones); at stage 3 the sharding comes next, then the
         # optimizers are replaced by ZeroOptimizers over the shards.
         assert self.accelerator is not None
+        if self.deepspeed is not None:
+            apply_to_trainer(self.deepspeed, trainer, self.world_size)
         self.accelerator.setup(trainer)
         assert self.model is not None
         self.precision_plugin.convert_module(self.model)
@@ -263,6 +275,17 @@ class ZeroStrategy(ParallelStrategy):
         if fitting:
             self._point_schedulers_at_zero_optimizers()
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        """The module's optimizers, or the DeepSpeed config's when the module gives none."""
+        assert self.lightning_module is not None
+        from_config = self.deepspeed is not None and self.deepspeed.optimizer is not None
+        if not from_config or is_overridden("configure_optimizers", self.lightning_module):
+            super().setup_optimizers(trainer)  # without an override Lightning would warn of running with none
+        if from_config:
+            assert self.deepspeed is not None
+            self.optimizers, self.lr_scheduler_configs = optimizers_from_config(
+                self.deepspeed, self.lightning_module, self.optimizers, self.lr_scheduler_configs)
 
     def _point_schedulers_at_zero_optimizers(self) -> None:
         """LR schedulers were built on the user's optimizers; they change the same param groups
@@ -316,6 +339,8 @@ class ZeroStrategy(ParallelStrategy):
 
     def on_train_start(self) -> None:
         install_sigterm_handler()  # after the Trainer installed its own, which it keeps calling
+        if self.deepspeed is not None and self.lightning_module is not None:
+            check_batch_size(self.deepspeed, self.lightning_module.trainer, self.world_size)
 
     def on_validation_start(self) -> None:
         install_sigterm_handler()

@@ -1,0 +1,71 @@
+"""ZeroStrategy(config=...): a DeepSpeed config drives a Lightning fit as the same settings spelled out
+for Lightning do, and whatever disagrees with the Trainer is an error before training."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from zero_strategy import ZeroStrategy
+from zero_strategy.deepspeed.config import DeepSpeedConfigError
+
+SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_config_run.py"
+
+
+@pytest.mark.timeout(300)
+def test_a_deepspeed_config_trains_as_its_settings_spelled_out(tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for rank in range(2):
+        ran = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        config, spelled = ran["config"], ran["spelled_out"]
+        assert config["accumulate"] == 2 and config["clip"] == 0.05  # from the config's batch numbers and clipping
+        assert len(config["losses"]) == len(spelled["losses"]) == 12  # 6 steps of 2 micro-batches
+        assert config["losses"] == spelled["losses"]  # the same run, bit for bit
+        assert config["lrs"] == spelled["lrs"] and config["lrs"][0] < config["lrs"][-1]  # the warm-up ran
+        for name, value in spelled["params"].items():
+            assert torch.equal(config["params"][name], value), name
+
+
+def _trainer(**kwargs) -> L.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def test_the_trainer_and_the_config_must_agree():
+    config = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2, "fp16": {"enabled": True}}
+    with pytest.raises(DeepSpeedConfigError, match=r"gradient_accumulation_steps=2 in the DeepSpeed config, but "
+                                                   r"Trainer\(accumulate_grad_batches=3\)"):
+        _trainer(strategy=ZeroStrategy(config=config), accumulate_grad_batches=3).fit(BoringModel())
+    with pytest.raises(DeepSpeedConfigError, match=r"precision '16-mixed' from the DeepSpeed config's fp16/bf16 "
+                                                   r"sections, but Trainer\(precision='bf16-mixed'\)"):
+        _trainer(strategy=ZeroStrategy(config=config), precision="bf16-mixed").fit(BoringModel())
+
+
+def test_an_optimizer_in_both_places_is_refused():
+    config = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with pytest.raises(DeepSpeedConfigError, match=r"both the DeepSpeed config \(optimizer SGD\) and "
+                                                   r"BoringModel.configure_optimizers \(SGD\) give an optimizer"):
+        _trainer(strategy=ZeroStrategy(config=config)).fit(BoringModel())
+
+
+def test_config_and_arguments_that_disagree_or_have_no_stage_are_refused():
+    with pytest.raises(DeepSpeedConfigError, match=r"bucket_cap_mb=50.0 given to ZeroStrategy, "
+                                                   r"bucket_cap_mb=4.0 from the config"):
+        ZeroStrategy(bucket_cap_mb=50.0, config={"zero_optimization": {"stage": 2, "reduce_bucket_size": 2**20}})
+    with pytest.raises(DeepSpeedConfigError, match=r"no zero_optimization stage .* add \"zero_optimization\""):
+        ZeroStrategy(config={"train_batch_size": 8})
+    strategy = ZeroStrategy(bucket_cap_mb=25.0, config={"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
+    assert strategy.config.stage == 3 and strategy.precision_plugin.precision == "bf16-mixed"
