@@ -2,12 +2,17 @@
 
     python benchmarks/bench_checkpoint.py                       # 100M parameters, 2 ranks, stages 2 and 3
     python benchmarks/bench_checkpoint.py --params-millions 20 --stages 3 --json out.json
+    python benchmarks/bench_checkpoint.py --params-millions 1 --layers 4 --repeats 1   # a quick check that it runs
 
 A stack of square Linear layers trained one AdamW step (so the optimizer holds its moments), then:
 - sharded save: ``save_sharded`` (every rank writes its pieces: weights, optimizer state);
 - sharded load: a fresh model and optimizer at the same stage read their ranges back;
 - full save: the whole state gathered on every rank (``full_state_dict`` + the optimizer's
-  consolidated state dict) and written by rank 0 with ``torch.save``, what ``state_dict_type="full"`` does.
+  consolidated state dict) and written by rank 0 with ``torch.save``, what ``state_dict_type="full"`` does;
+- what the checksums cost (see [Note: checksums]): sharded saves with and without them, interleaved
+  (on, off, then off, on, ...) so that drift in the machine's load falls on both alike, each into a
+  fresh directory; and loads of one checkpoint with ``verify=True`` and ``verify=False``. Medians,
+  and their ratio.
 Runs on gloo processes on CPU (the files go to --dir, by default a temporary folder).
 """
 
@@ -16,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +54,35 @@ def timed(fn) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - start
+
+
+def checksum_costs(rank: int, stage: int, model, opt, sharder, args: argparse.Namespace) -> dict:
+    """Median save time with and without checksums, and load time with and without verifying them,
+    measured in interleaved pairs."""
+    times: dict[str, list[float]] = {"save_on": [], "save_off": [], "load_on": [], "load_off": []}
+    checkpoint = {"global_step": 1, "optimizer_states": [{}]}
+    for i in range(args.repeats):
+        for checksums in ((True, False) if i % 2 == 0 else (False, True)):
+            path = Path(args.dir) / f"stage{stage}-checksums-{checksums}-{i}.ckpt"
+            times["save_on" if checksums else "save_off"].append(timed(lambda: save_sharded(
+                path, checkpoint, model, [opt], sharder, Collectives(), stage, checksums=checksums)))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path)
+    path = Path(args.dir) / f"stage{stage}.ckpt"  # written with checksums by rank_main, loaded back into the same model
+
+    def load(verify: bool) -> None:
+        reader = CheckpointReader(path, verify=verify)
+        saved = reader.trainer_state()["zero_checkpoint"]
+        load_model(reader, saved, model, flat_groups([opt], sharder))
+        load_optimizers(reader, saved, model, [opt])
+
+    for i in range(args.repeats):
+        for verify in ((True, False) if i % 2 == 0 else (False, True)):
+            times["load_on" if verify else "load_off"].append(timed(lambda: load(verify)))
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    return {**medians, "save_ratio": medians["save_on"] / medians["save_off"],
+            "load_ratio": medians["load_on"] / medians["load_off"]}
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -83,8 +119,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue)
                 torch.save(state, full_file)
 
         full_s = timed(full_save)
+        costs = checksum_costs(rank, stage, model, opt, sharder, args)
         results.append({"stage": stage, "save_s": save_s, "load_s": load_s, "bytes_rank": written,
-                        "full_save_s": full_s, "full_bytes": full_file.stat().st_size if rank == 0 else 0})
+                        "full_save_s": full_s, "full_bytes": full_file.stat().st_size if rank == 0 else 0,
+                        "checksums": costs})
         del model, opt, sharder
     queue.put((rank, results))
     dist.destroy_process_group()
@@ -97,6 +135,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved pairs of saves (and loads) with and without checksums")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     args.width = int((args.params_millions * 1e6 / args.layers) ** 0.5)
@@ -126,6 +166,13 @@ def main() -> None:
         rows.append({**row, "mib_per_rank": per_rank})
         print(f"| {stage} | {row['save_s']:.2f} s | {row['load_s']:.2f} s | {' / '.join(f'{m:.0f}' for m in per_rank)} "
               f"| {row['full_save_s']:.2f} s | {row['full_bytes'] / 2**20:.0f} |")
+    print(f"\nWhat the checksums cost: medians of {args.repeats} interleaved pairs (rank 0's time, between barriers)")
+    print("| stage | save, checksums | save, none | save ratio | load, verify | load, verify=False | load ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        c = row["checksums"]
+        print(f"| {row['stage']} | {c['save_on']:.3f} s | {c['save_off']:.3f} s | {c['save_ratio']:.3f}x "
+              f"| {c['load_on']:.3f} s | {c['load_off']:.3f} s | {c['load_ratio']:.3f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps({"params": n_params, "world_size": args.world_size, "rows": rows},
                                               indent=1))

@@ -7,6 +7,7 @@ parameter) with Adam; a 1-rank run sees both ranks' batches, so all runs follow 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -284,6 +285,10 @@ def test_trainer_state_is_never_unpickled_unsafely(saved_checkpoint):
     state = torch.load(saved_checkpoint / store.TRAINER_STATE, weights_only=True)
     state["hyper_parameters"] = {"path": Path("/tmp")}  # an object torch's safe loader refuses
     torch.save(state, saved_checkpoint / store.TRAINER_STATE)
+    index = json.loads((saved_checkpoint / store.INDEX).read_text())  # recorded as if the save had written it
+    data = (saved_checkpoint / store.TRAINER_STATE).read_bytes()
+    index["trainer_state"] = {"bytes": len(data), "checksum": store.checksum(data)}
+    (saved_checkpoint / store.INDEX).write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"trainer_state\.pt cannot be loaded safely"):
         CheckpointReader(saved_checkpoint).trainer_state()
 

@@ -1,21 +1,22 @@
 """Offline conversion of a sharded checkpoint into one regular Lightning checkpoint file.
 
 No process group and no model are needed: the index says where every range of every tensor is,
-so the whole tensors are put together straight from the rank files.
+so the whole tensors are put together straight from the rank files. Every part is checked against
+its checksum before anything is written (see [Note: checksums]), and the outputs are created as a
+plain ``open()`` creates files, with the mode the umask gives.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import save_file
 
 from .sharded import _best_source, optim_name, torch_layout
-from .store import CheckpointReader
+from .store import CheckpointError, CheckpointReader, write_safetensors
 
 
 def full_state_dict(reader: CheckpointReader, saved: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +42,7 @@ def full_optimizer_states(reader: CheckpointReader, saved: dict[str, Any]) -> Op
 
 
 def consolidate_checkpoint(ckpt_dir: Any, out_path: Any, safetensors_path: Any = None,
-                           weights_only: bool = False) -> Path:
+                           weights_only: bool = False, verify: bool = True) -> Path:
     """Write the sharded checkpoint ``ckpt_dir`` as one Lightning checkpoint file at ``out_path``.
 
     The file holds the full fp32 ``state_dict`` (tied and frozen weights included), the optimizer
@@ -49,10 +50,18 @@ def consolidate_checkpoint(ckpt_dir: Any, out_path: Any, safetensors_path: Any =
     scheduler state, so ``LitModule.load_from_checkpoint(out_path)``, ``torch.load(out_path,
     weights_only=True)`` and ``Trainer.fit(ckpt_path=out_path)`` (DDP or ZeRO) all read it.
     ``safetensors_path`` also writes the weights alone as safetensors. Both writes are atomic.
+    ``verify=False`` skips the checksums (a damaged checkpoint is then written out as it is).
     """
-    reader = CheckpointReader(ckpt_dir)
+    for target in (out_path, safetensors_path):
+        if target is not None and Path(target).is_dir():
+            raise IsADirectoryError(f"the output {target} is a directory; give the path of a file to write (for "
+                                    f"example {Path(target) / 'model.ckpt'}).")
+    reader = CheckpointReader(ckpt_dir, verify=verify)
     state = reader.trainer_state()
-    saved = state.pop("zero_checkpoint")
+    saved = state.pop("zero_checkpoint", None)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{reader.path} has no zero_checkpoint entry in its trainer state: it was not written "
+                              "by ZeroStrategy.")
     state_dict = full_state_dict(reader, saved)
     checkpoint = {**state, "state_dict": state_dict}
     optimizer_states = None if weights_only else full_optimizer_states(reader, saved)
@@ -61,6 +70,7 @@ def consolidate_checkpoint(ckpt_dir: Any, out_path: Any, safetensors_path: Any =
     else:
         for key in ("optimizer_states", "lr_schedulers", "callbacks"):
             checkpoint.pop(key, None)
+    reader.verify_all()  # what this conversion did not read is checked too: a damaged checkpoint is reported
     out_path = Path(out_path)
     _atomic_write(out_path, lambda tmp: torch.save(checkpoint, tmp))
     if safetensors_path is not None:
@@ -69,18 +79,22 @@ def consolidate_checkpoint(ckpt_dir: Any, out_path: Any, safetensors_path: Any =
             if isinstance(value, torch.Tensor):  # safetensors stores no shared tensors: tied ones are copied
                 tensors[key] = value.clone() if id(value) in seen else value.contiguous()
                 seen.add(id(value))
-        _atomic_write(Path(safetensors_path), lambda tmp: save_file(tensors, tmp))
+        _atomic_write(Path(safetensors_path), lambda tmp: write_safetensors(tmp, tensors, with_checksums=False))
     return out_path
 
 
 def _atomic_write(path: Path, write) -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, then rename it over ``path``."""
+    """``write(tmp)`` into a temporary file beside ``path``, flushed to disk, then renamed over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
+    # Not tempfile.mkstemp, whose file is mode 0600 whatever the umask: os.open with 0o666 gets
+    # what open() would give (0o666 & ~umask), and O_EXCL keeps a concurrent writer's file apart.
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.partial"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         write(tmp)
+        with open(tmp, "rb+") as f:  # the rename must not become durable before the contents do
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

@@ -66,13 +66,14 @@ class _RankRecord:
     specs: dict = field(default_factory=dict)  # name -> (shape, dtype)
     optim_scalars: list = field(default_factory=list)  # per optimizer: name -> {key: value}
     optim_tensors: list = field(default_factory=list)  # per optimizer: name -> [keys]
+    checksums: dict = field(default_factory=dict)  # key -> checksum of that part's bytes
     error: str = ""
 
 
 def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
-             sharder: Optional[ParameterSharder]) -> tuple[RankWriter, _RankRecord]:
+             sharder: Optional[ParameterSharder], checksums: bool) -> tuple[RankWriter, _RankRecord]:
     names = parameter_names(module)
-    writer, record = RankWriter(rank), _RankRecord()
+    writer, record = RankWriter(rank, with_checksums=checksums), _RankRecord()
 
     def add(name: str, values: torch.Tensor, start: int, shape: torch.Size) -> None:
         record.specs[name] = (list(shape), str(values.dtype).removeprefix("torch."))
@@ -154,12 +155,14 @@ def on_every_rank(comm: Collectives, load: Callable[[], None]) -> None:
 
 
 def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[ZeroOptimizer],
-                 sharder: Optional[ParameterSharder], comm: Collectives, stage: int) -> None:
+                 sharder: Optional[ParameterSharder], comm: Collectives, stage: int, checksums: bool = True) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a sharded checkpoint directory. A collective.
 
     ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` are ignored: the weights and
     optimizer state come from the engine, each rank writing its own pieces. Without an
     ``"optimizer_states"`` key (a weights-only save) no optimizer state is written.
+    ``checksums=False`` records none (see [Note: checksums]): only to measure what they cost, as
+    benchmarks/bench_checkpoint.py does; such a checkpoint loads unverified, with a warning.
     """
     path = Path(path)
     with_optimizers = "optimizer_states" in checkpoint
@@ -177,9 +180,10 @@ def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optim
 
     record = _RankRecord()
     try:
-        writer, record = _collect(comm.rank, module, optimizers, sharder)
+        writer, record = _collect(comm.rank, module, optimizers, sharder, checksums)
         record.file, record.bytes = writer.file, writer.write(tmp)
         record.parts = [[p.name, p.file, p.key, p.start, p.end] for p in writer.parts]
+        record.checksums = writer.checksums
     except Exception as err:  # every rank must reach the all-gather below, whatever went wrong
         record.error = _error(err)
     records: list[_RankRecord] = _all_gather_object(comm, record)
@@ -188,7 +192,7 @@ def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optim
     if comm.rank == 0:
         if not failed:
             try:
-                _finish(path, checkpoint, module, optimizers if with_optimizers else None, records, stage)
+                _finish(path, checkpoint, module, optimizers if with_optimizers else None, records, stage, checksums)
             except Exception as err:
                 failed, status = [(0, _error(err))], _error(err)
         if failed:
@@ -201,7 +205,8 @@ def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optim
 
 
 def _finish(path: Path, checkpoint: dict[str, Any], module: nn.Module,
-            optimizers: Optional[Sequence[ZeroOptimizer]], records: list[_RankRecord], stage: int) -> None:
+            optimizers: Optional[Sequence[ZeroOptimizer]], records: list[_RankRecord], stage: int,
+            checksums: bool) -> None:
     """Rank 0: the index and trainer state, then the swap into place."""
     tmp = store.partial_dir(path)
     tensors: dict[str, dict[str, Any]] = {}
@@ -223,12 +228,14 @@ def _finish(path: Path, checkpoint: dict[str, Any], module: nn.Module,
         "model_extra_state": extra,
         "optimizers": None if optimizers is None else _optimizer_records(optimizers, names, records),
     }
-    store.write_trainer_state(tmp, state)
-    store.write_index(tmp, {
-        "format": store.FORMAT, "world_size": len(records), "stage": stage,
-        "files": {rec.file: {"bytes": rec.bytes} for rec in records},
-        "tensors": tensors,
-    })
+    trainer_state = store.write_trainer_state(tmp, state)
+    index = {"format": store.FORMAT, "world_size": len(records), "stage": stage,
+             "files": {rec.file: {"bytes": rec.bytes} for rec in records}, "tensors": tensors}
+    if checksums:  # see [Note: checksums]
+        for rec in records:
+            index["files"][rec.file]["checksums"] = rec.checksums
+        index.update(checksum=store.CHECKSUM, trainer_state=trainer_state)
+    store.write_index(tmp, index)
     store.commit(path)
 
 

@@ -7,6 +7,9 @@
 The output holds the full fp32 state_dict (tied and frozen weights included) and, unless
 --weights-only, the optimizer states in torch's layout, so LitModule.load_from_checkpoint(OUT),
 torch.load(OUT, weights_only=True) and Trainer.fit(ckpt_path=OUT) with DDP or ZeRO all read it.
+Every part of the checkpoint is checked against the checksum its save recorded before anything
+is written; a damaged file is an error (--no-verify writes it out anyway). Any failure prints
+"zero-consolidate: error: ..." and exits with status 2.
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
+import warnings
+from pathlib import Path
 from typing import Optional, Sequence
 
 from ..checkpoint import CheckpointError, consolidate_checkpoint
+from ..checkpoint.store import UnverifiedCheckpointWarning
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -27,16 +34,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("out", help="the checkpoint file to write")
     parser.add_argument("--safetensors", metavar="PATH", help="also write the weights alone as safetensors")
     parser.add_argument("--weights-only", action="store_true", help="leave out optimizer, scheduler and callback state")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip the checksums (for a huge checkpoint you trust): damaged bytes are written out as they are")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
-        out = consolidate_checkpoint(args.ckpt_dir, args.out, args.safetensors, weights_only=args.weights_only)
-    except (CheckpointError, FileNotFoundError) as err:
+        out = _consolidate(args)
+    except (CheckpointError, OSError) as err:  # the checkpoint, or the file system (missing, full, not allowed)
         print(f"zero-consolidate: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # a bug, or a checkpoint this version cannot read: the traceback is for the report
+        traceback.print_exc()
+        print(f"zero-consolidate: error: unexpected {type(err).__name__}: {err} (the traceback above is for a bug "
+              "report)", file=sys.stderr)
         return 2
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s"
           + (f"; weights also in {args.safetensors}" if args.safetensors else ""))
     return 0
+
+
+def _consolidate(args: argparse.Namespace) -> Path:
+    """Run the conversion, showing the checkpoint's own warnings (no checksums) as this tool's."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnverifiedCheckpointWarning)
+        try:
+            return consolidate_checkpoint(args.ckpt_dir, args.out, args.safetensors, weights_only=args.weights_only,
+                                          verify=not args.no_verify)
+        finally:
+            for w in caught:
+                if issubclass(w.category, UnverifiedCheckpointWarning):
+                    print(f"zero-consolidate: warning: {w.message}", file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 if __name__ == "__main__":
