@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from zero_strategy.checkpoint import CheckpointError, CheckpointReader, consolidate_checkpoint, is_sharded_checkpoint
 from zero_strategy.checkpoint import store
@@ -245,19 +244,18 @@ def test_every_file_follows_the_umask(tmp_path, umask):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.ckpt", "w.safetensors"]
 
 
-def test_the_safetensors_writer_round_trips_every_dtype(tmp_path):
-    tensors = {str(dtype): torch.arange(6.0).reshape(2, 3).to(dtype) for dtype in store.DTYPES.values()}
-    tensors["empty"] = torch.zeros(0, 4)
-    tensors["scalar"] = torch.tensor(2.5, dtype=torch.float64)
-    sums = store.write_safetensors(tmp_path / "all.safetensors", tensors, {"format": "test"})
-    with safe_open(str(tmp_path / "all.safetensors"), framework="pt") as f:
-        assert f.metadata() == {"format": "test"}
-        for key, value in tensors.items():
-            got = f.get_tensor(key)
-            assert got.dtype == value.dtype and got.shape == value.shape, key
-            assert torch.equal(got.reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
-            assert sums[key] == store.checksum(value.reshape(-1).view(torch.uint8).numpy()), key
-    assert load_file(str(tmp_path / "all.safetensors")).keys() == tensors.keys()
+def test_the_rank_writer_stores_and_hashes_every_dtype_the_index_allows(tmp_path):
+    writer = store.RankWriter(0)
+    values = {name: torch.arange(6.0).to(dtype) for name, dtype in store.DTYPES.items()}
+    for name, value in values.items():
+        writer.add(name, value)
+    writer.write(tmp_path)
+    with safe_open(str(tmp_path / writer.file), framework="pt") as f:
+        assert f.metadata() == {"format": store.FORMAT}
+        for part in writer.parts:
+            got, want = f.get_tensor(part.key), values[part.name]
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), part.name
+            assert writer.checksums[part.key] == store.checksum(want.view(torch.uint8).numpy()), part.name
 
 
 # ---- the index's fields are validated before use --------------------------------------------

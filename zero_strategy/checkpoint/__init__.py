@@ -1,12 +1,17 @@
 """Sharded checkpoints: save per rank, load at any world size and stage, consolidate to one file.
 
-``store`` is the on-disk format (see [Note: checkpoint layout]), ``sharded`` maps the engine's
-flat groups and optimizer pieces onto it, ``consolidate`` puts a checkpoint back together offline.
+``store`` is the on-disk format (see [Note: checkpoint layout]; ``format``, ``index`` and ``files``
+are its names, its index's validation and its file writes), ``sharded`` maps the engine's flat groups
+and optimizer pieces onto it, ``consolidate`` puts a checkpoint back together offline, and
+``deepspeed`` reads DeepSpeed's ZeRO checkpoints as regular ones.
 """
 
 from .consolidate import consolidate_checkpoint
+from .deepspeed import (align_optimizer_state, consolidate_deepspeed_checkpoint, is_deepspeed_checkpoint,
+                        read_deepspeed_checkpoint)
 from .sharded import load_model, load_optimizers, save_sharded
-from .store import CheckpointError, CheckpointReader, is_sharded_checkpoint
+from .store import CheckpointError, CheckpointReader, UnverifiedCheckpointWarning, is_sharded_checkpoint
 
-__all__ = ["CheckpointError", "CheckpointReader", "consolidate_checkpoint", "is_sharded_checkpoint", "load_model",
-           "load_optimizers", "save_sharded"]
+__all__ = ["CheckpointError", "CheckpointReader", "UnverifiedCheckpointWarning", "align_optimizer_state",
+           "consolidate_checkpoint", "consolidate_deepspeed_checkpoint", "is_deepspeed_checkpoint",
+           "is_sharded_checkpoint", "load_model", "load_optimizers", "read_deepspeed_checkpoint", "save_sharded"]

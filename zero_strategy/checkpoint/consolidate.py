@@ -8,15 +8,15 @@ plain ``open()`` creates files, with the mode the umask gives.
 
 from __future__ import annotations
 
-import os
-import secrets
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors.torch import save_file
 
+from .files import atomic_write
 from .sharded import _best_source, optim_name, torch_layout
-from .store import CheckpointError, CheckpointReader, write_safetensors
+from .store import CheckpointError, CheckpointReader
 
 
 def full_state_dict(reader: CheckpointReader, saved: dict[str, Any]) -> dict[str, Any]:
@@ -72,29 +72,12 @@ def consolidate_checkpoint(ckpt_dir: Any, out_path: Any, safetensors_path: Any =
             checkpoint.pop(key, None)
     reader.verify_all()  # what this conversion did not read is checked too: a damaged checkpoint is reported
     out_path = Path(out_path)
-    _atomic_write(out_path, lambda tmp: torch.save(checkpoint, tmp))
+    atomic_write(out_path, lambda tmp: torch.save(checkpoint, tmp))
     if safetensors_path is not None:
         tensors, seen = {}, set()
         for key, value in state_dict.items():
             if isinstance(value, torch.Tensor):  # safetensors stores no shared tensors: tied ones are copied
                 tensors[key] = value.clone() if id(value) in seen else value.contiguous()
                 seen.add(id(value))
-        _atomic_write(Path(safetensors_path), lambda tmp: write_safetensors(tmp, tensors, with_checksums=False))
+        atomic_write(Path(safetensors_path), lambda tmp: save_file(tensors, str(tmp)))
     return out_path
-
-
-def _atomic_write(path: Path, write) -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, flushed to disk, then renamed over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Not tempfile.mkstemp, whose file is mode 0600 whatever the umask: os.open with 0o666 gets
-    # what open() would give (0o666 & ~umask), and O_EXCL keeps a concurrent writer's file apart.
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.partial"
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:  # the rename must not become durable before the contents do
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -143,15 +143,15 @@ def _error(err: BaseException) -> str:
 def on_every_rank(comm: Collectives, load: Callable[[], None]) -> None:
     """Run ``load`` (no collectives inside) and raise on every rank if it failed on any: a rank that
     cannot read its part must not leave the others waiting in the next collective."""
-    error = ""
+    error, mine = "", None
     try:
         load()
     except Exception as err:  # every rank must reach the all-gather below
-        error = _error(err)
+        error, mine = _error(err), err
     failed = [(r, e) for r, e in enumerate(_all_gather_object(comm, error)) if e]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(f"loading the checkpoint failed on rank {rank}: {message}")
+        raise CheckpointError(f"loading the checkpoint failed on rank {rank}: {message}") from mine
 
 
 def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[ZeroOptimizer],
@@ -362,6 +362,23 @@ def load_masters(reader: CheckpointReader, saved: dict[str, Any], module: nn.Mod
             if key in model_keys:
                 values = reader.read(_best_source(reader, model_keys[key]), piece.param_start, piece.param_end)
                 g.master(piece).copy_(values)
+
+
+@torch.no_grad()
+def masters_from_state_dict(state_dict: dict[str, Any], module: nn.Module,
+                            optimizers: Sequence[ZeroOptimizer]) -> None:
+    """Low-precision weights' fp32 masters from a whole state dict that holds more precise values than
+    the weights (a consolidated or DeepSpeed checkpoint: fp32), each rank its own pieces; loading the
+    state dict into the bf16/fp16 module alone would round them. Not a collective."""
+    names = parameter_names(module)
+    for zopt in optimizers:
+        for g in zopt.groups:
+            if g.master_shard is None:
+                continue
+            for piece in g.pieces:
+                value = state_dict.get(names.get(g.params[piece.param], ""))
+                if isinstance(value, torch.Tensor) and value.dtype.itemsize > g.dtype.itemsize:
+                    g.master(piece).copy_(value.reshape(-1)[piece.param_start : piece.param_end])
 
 
 def load_optimizers(reader: CheckpointReader, saved: dict[str, Any], module: nn.Module,

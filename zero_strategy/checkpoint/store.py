@@ -50,89 +50,24 @@ import io
 import json
 import os
 import shutil
-import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import xxhash
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-FORMAT = "zero_strategy.sharded/1"  # checksums were added without a new format: older readers ignore them
-INDEX = "index.json"
-TRAINER_STATE = "trainer_state.pt"
+from .files import follow_umask, write_durably
+from .format import (_SAFETENSORS_CODE, CHECKSUM, DTYPES, FORMAT, INDEX, TRAINER_STATE, CheckpointError,
+                     UnverifiedCheckpointWarning, checksum, is_partial, is_sharded_checkpoint, old_dir, partial_dir,
+                     rank_file)
+from .index import validate_index
 
-# Why xxh3_64 (the xxhash package, a dependency) and not the standard library: measured on this
-# 2-core machine (a 64 MiB buffer, best of 5), zlib.crc32 costs 0.25-0.49 s/GiB, adler32 0.30,
-# sha1 0.56, sha256 0.60-1.06, blake2b 1.1-1.7 and md5 1.4-1.8, while writing the bytes into the
-# page cache costs 0.42: the fastest of them would cost about as much as the write itself, on
-# every save and again on every load. xxh3_64 costs 0.03-0.04 s/GiB (25 GiB/s; write_safetensors
-# took 73 ms for 240 MB with it, 66 ms without), so it is computed inline as each tensor is
-# written, with no threads, far inside the 10% budget. 64 bits make a missed random damage (1 in
-# 2**64 per part) negligible; it guards against accidents (disk, copy, truncation), not against
-# someone who can also rewrite the index.
-CHECKSUM = "xxh3_64"
-
-
-def checksum(data: Any) -> str:
-    """The checksum of a bytes-like object, as 16 hex digits (JSON keeps a string exactly)."""
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-# torch dtype <-> safetensors' dtype code: the dtypes a checkpoint can hold
-_SAFETENSORS_CODE = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL", torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-}
-DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in _SAFETENSORS_CODE}  # the index's dtype names
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
-
-
-def partial_dir(path: Path) -> Path:
-    return path.parent / f".{path.name}.partial"
-
-
-def old_dir(path: Path) -> Path:
-    return path.parent / f".{path.name}.old"
-
-
-def is_partial(path: Path) -> bool:
-    """Whether ``path`` is named as the directory a save writes into before it is moved into place."""
-    return path.name.startswith(".") and path.name.endswith(".partial")
-
-
-def is_sharded_checkpoint(path: Any) -> bool:
-    """True when ``path`` is a finished checkpoint directory written by this package.
-
-    A ``.<name>.partial`` directory (a save that did not finish) is not one, nor is a directory whose
-    index.json is cut off or not valid JSON: this is a question, so it answers False rather than
-    raise, and a caller that scans for checkpoints skips a damaged one. ``CheckpointReader`` on such
-    a directory raises a ``CheckpointError`` that says what is wrong.
-    """
-    path = Path(path)
-    if is_partial(path) or not path.is_dir():
-        return False
-    try:
-        index = json.loads((path / INDEX).read_bytes())
-    except (OSError, ValueError):  # missing, unreadable, cut off, not JSON, not UTF-8
-        return False
-    return isinstance(index, dict) and index.get("format") == FORMAT
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, incomplete, corrupt, or for another model."""
-
-
-class UnverifiedCheckpointWarning(UserWarning):
-    """A checkpoint without checksums (written by an earlier version) is loaded unverified."""
+__all__ = ["CHECKSUM", "CheckpointError", "CheckpointReader", "DTYPES", "FORMAT", "INDEX", "Part", "RankWriter",
+           "TRAINER_STATE", "UnverifiedCheckpointWarning", "commit", "discard", "is_partial", "is_sharded_checkpoint",
+           "old_dir", "partial_dir", "prepare_partial", "rank_file", "write_index", "write_trainer_state"]
 
 
 # ---- writing -------------------------------------------------------------------------------
@@ -154,41 +89,6 @@ def _bytes_of(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None,
-                      with_checksums: bool = True) -> dict[str, str]:
-    """Write contiguous CPU ``tensors`` as a safetensors file, hashing each one's bytes as it goes out
-    (one pass over memory that is about to be written anyway); returns ``{key: checksum}``.
-
-    Written here rather than with ``safetensors.torch.save_file``, which creates its file as a
-    temporary of mode 0600 whatever the umask: a plain ``open()`` follows the umask.
-    """
-    # Largest elements first, so every tensor starts at a multiple of its element size (the header
-    # is padded to 8 bytes): readers that map the file can use the bytes in place.
-    order = sorted(tensors, key=lambda key: (-tensors[key].element_size(), key))
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for key in order:
-        tensor = tensors[key]
-        if tensor.dtype not in _SAFETENSORS_CODE:
-            raise CheckpointError(f"tensor {key!r} has dtype {tensor.dtype}, which safetensors cannot store; the "
-                                  f"dtypes it can are {sorted(DTYPES)}. Convert it before saving.")
-        size = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": _SAFETENSORS_CODE[tensor.dtype], "shape": list(tensor.shape),
-                       "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    sums: dict[str, str] = {}
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)) + encoded)
-        for key in order:
-            data = _bytes_of(tensors[key])
-            f.write(data)
-            if with_checksums:
-                sums[key] = checksum(data)
-    return sums
-
-
 class RankWriter:
     """Collects one rank's ranges of named tensors and writes them as one safetensors file."""
 
@@ -208,14 +108,18 @@ class RankWriter:
         self.parts.append(Part(name, start, start + values.numel(), self.file, key))
 
     def write(self, folder: Path) -> int:
-        """Write the file (an empty one when the rank owns nothing); returns its size in bytes."""
+        """Write the file (an empty one when the rank owns nothing) and hash its parts (see [Note:
+        checksums]); returns its size in bytes."""
         target = folder / self.file
-        self.checksums = write_safetensors(target, self.tensors, {"format": FORMAT}, self.with_checksums)
+        save_file(self.tensors, str(target), metadata={"format": FORMAT})
+        follow_umask(target)
+        if self.with_checksums:  # xxh3 reads memory at 25 GiB/s: a small fraction of the write
+            self.checksums = {key: checksum(_bytes_of(t)) for key, t in self.tensors.items()}
         return target.stat().st_size
 
 
 def write_index(folder: Path, index: dict[str, Any]) -> None:
-    _write_durably(folder / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
+    write_durably(folder / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
 
 
 def write_trainer_state(folder: Path, state: dict[str, Any]) -> dict[str, Any]:
@@ -223,15 +127,8 @@ def write_trainer_state(folder: Path, state: dict[str, Any]) -> dict[str, Any]:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
-    _write_durably(folder / TRAINER_STATE, data)
+    write_durably(folder / TRAINER_STATE, data)
     return {"bytes": len(data), "checksum": checksum(data)}
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def prepare_partial(path: Path) -> Path:
@@ -259,88 +156,6 @@ def commit(path: Path) -> None:
 
 def discard(path: Path) -> None:
     shutil.rmtree(partial_dir(path), ignore_errors=True)
-
-
-# ---- validating the index ------------------------------------------------------------------
-
-
-def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0  # bool is an int to isinstance, and no count
-
-
-def _is_checksum(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def validate_index(index: Any, where: Path) -> None:
-    """Raise a ``CheckpointError`` naming the field and its value unless every field the reader uses
-    is well formed: format, world_size, files (names, byte sizes, checksums), trainer_state, and each
-    tensor's shape, dtype and parts (a known file, a string key, a range inside the tensor)."""
-
-    def bad(field: str, value: Any, expected: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {field} is {_shown(value)}, expected {expected}. The index is damaged or "
-                               "was not written by zero_strategy; load an earlier checkpoint.")
-
-    if not isinstance(index, dict):
-        raise bad("the index", index, "a JSON object")
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{where} has format {_shown(index.get('format'))}; this version of zero_strategy "
-                              f"reads {FORMAT!r}.")
-    world_size = index.get("world_size")
-    if not _is_count(world_size) or world_size < 1:
-        raise bad("world_size", world_size, "a positive integer")
-    algorithm = index.get("checksum")
-    if algorithm not in (None, CHECKSUM):
-        raise bad("checksum", algorithm, f"{CHECKSUM!r} (or no such field, in a checkpoint of an earlier version)")
-    files = index.get("files")
-    if (not isinstance(files, dict) or len(files) != world_size
-            or any(rank_file(r) not in files for r in range(world_size))):
-        raise bad("files", sorted(files) if isinstance(files, dict) else files,
-                  f"one file per rank of world_size {world_size}: {rank_file(0)} ... {rank_file(world_size - 1)}")
-    for name, entry in files.items():
-        if not isinstance(entry, dict) or not _is_count(entry.get("bytes")):
-            raise bad(f"files[{name!r}]", entry, "{'bytes': <a non-negative integer>, ...}")
-        sums = entry.get("checksums")
-        if algorithm and (not isinstance(sums, dict) or not all(_is_checksum(v) for v in sums.values())):
-            raise bad(f"files[{name!r}]['checksums']", sums, "{key: <16 hex digits>, ...}")
-    trainer = index.get("trainer_state")
-    if algorithm and (not isinstance(trainer, dict) or not _is_count(trainer.get("bytes"))
-                      or not _is_checksum(trainer.get("checksum"))):
-        raise bad("trainer_state", trainer, "{'bytes': <a non-negative integer>, 'checksum': <16 hex digits>}")
-    tensors = index.get("tensors")
-    if not isinstance(tensors, dict):
-        raise bad("tensors", tensors, "a JSON object of tensor name -> shape, dtype, parts")
-    for name, info in tensors.items():
-        field = f"tensors[{name!r}]"
-        if not isinstance(info, dict):
-            raise bad(field, info, "{'shape': [...], 'dtype': ..., 'parts': [...]}")
-        shape = info.get("shape")
-        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
-            raise bad(f"{field}['shape']", shape, "a list of non-negative integers")
-        if not isinstance(info.get("dtype"), str) or info["dtype"] not in DTYPES:
-            raise bad(f"{field}['dtype']", info.get("dtype"), f"one of {', '.join(sorted(DTYPES))}")
-        numel = torch.Size(shape).numel()
-        parts = info.get("parts")
-        if not isinstance(parts, list):
-            raise bad(f"{field}['parts']", parts, "a list of [file, key, start, end]")
-        for i, part in enumerate(parts):
-            where_part = f"{field}['parts'][{i}]"
-            if not isinstance(part, list) or len(part) != 4:
-                raise bad(where_part, part, "[file, key, start, end]")
-            file, key, start, end = part
-            if file not in files:
-                raise bad(f"{where_part} file", file, f"one of the index's files ({rank_file(0)} ...)")
-            if not isinstance(key, str):
-                raise bad(f"{where_part} key", key, "a string")
-            if not (_is_count(start) and _is_count(end) and start < end <= numel):
-                raise bad(f"{where_part} range", [start, end], f"0 <= start < end <= {numel} (the tensor's elements)")
-            if algorithm and key not in files[file]["checksums"]:
-                raise bad(f"files[{file!r}]['checksums'][{key!r}]", None, "the checksum of that part")
 
 
 # ---- reading -------------------------------------------------------------------------------
