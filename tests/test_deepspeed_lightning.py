@@ -3,6 +3,7 @@ for Lightning do, and whatever disagrees with the Trainer is an error before tra
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,3 +70,46 @@ def test_config_and_arguments_that_disagree_or_have_no_stage_are_refused():
         ZeroStrategy(config={"train_batch_size": 8})
     strategy = ZeroStrategy(bucket_cap_mb=25.0, config={"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
     assert strategy.config.stage == 3 and strategy.precision_plugin.precision == "bf16-mixed"
+
+
+RESUME_SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_resume_run.py"
+DEEPSPEED_DATA = Path(__file__).parent / "data" / "deepspeed"
+
+
+@pytest.mark.timeout(300)
+def test_fit_resumes_from_a_deepspeed_checkpoint_as_deepspeed_continued(tmp_path):
+    # DeepSpeed trained the bare model at stage 2 on 2 ranks; here a LightningModule holds it as
+    # self.model (the names gain a prefix) and resumes at stage 3, its optimizer over every
+    # parameter (the frozen one included, as DeepSpeed users build it)
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    case = "stage2_fp32"
+    proc = subprocess.run([sys.executable, str(RESUME_SCRIPT), "--case", case, "--stage", "3", "--out",
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    reference = json.loads((DEEPSPEED_DATA / case / "reference.json").read_text())
+    continued = {k.removeprefix("continued/"): v for k, v in
+                 load_file(DEEPSPEED_DATA / case / "reference.safetensors").items() if k.startswith("continued/")}
+    for rank in range(2):
+        ran = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        torch.testing.assert_close(torch.tensor(ran["losses"]), torch.tensor(reference["losses"][rank]),
+                                   rtol=1e-5, atol=1e-6)
+        for name, value in continued.items():
+            torch.testing.assert_close(ran["weights"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_zero_consolidate_reads_a_deepspeed_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    from zero_strategy.cli.consolidate import main as consolidate
+
+    out = tmp_path / "model.ckpt"
+    assert consolidate([str(DEEPSPEED_DATA / "stage3_bf16"), str(out)]) == 0
+    state = torch.load(out, weights_only=True)
+    reference = load_file(DEEPSPEED_DATA / "stage3_bf16" / "reference.safetensors")
+    for name, value in state["state_dict"].items():
+        assert torch.equal(value, reference[f"zero_to_fp32/{name}"]), name  # DeepSpeed's own reading
+    assert consolidate([str(DEEPSPEED_DATA / "stage3_bf16"), str(tmp_path / "x.ckpt"), "--tag", "nope"]) == 2

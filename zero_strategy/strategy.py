@@ -37,9 +37,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from .activation import apply_activation_checkpointing, offload_activations
-from .checkpoint import (CheckpointError, CheckpointReader, is_sharded_checkpoint, load_model, load_optimizers,
-                         save_sharded)
-from .checkpoint.sharded import flat_groups, on_every_rank
+from .checkpoint import (CheckpointError, CheckpointReader, align_optimizer_state, is_deepspeed_checkpoint,
+                         is_sharded_checkpoint, load_model, load_optimizers, read_deepspeed_checkpoint, save_sharded)
+from .checkpoint.deepspeed import fit_to_module
+from .checkpoint.sharded import flat_groups, masters_from_state_dict, on_every_rank, parameter_names
 from .config import ZeroConfig
 from .deepspeed.config import DeepSpeedSettings
 from .deepspeed_config import DeepSpeedConfig, apply_to_trainer, check_batch_size, engine_settings, optimizers_from_config
@@ -124,6 +125,7 @@ class ZeroStrategy(ParallelStrategy):
         timeout: Union[timedelta, float, None] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        verify_checkpoints: bool = True,
         config: Optional[DeepSpeedConfig] = None,
     ) -> None:
         engine = dict(
@@ -147,6 +149,10 @@ class ZeroStrategy(ParallelStrategy):
                              "default) saves a checkpoint directory, each rank writing what it owns; 'full' gathers "
                              "the whole state and rank 0 saves one file.")
         self.state_dict_type = state_dict_type
+        if not isinstance(verify_checkpoints, bool):
+            raise ValueError(f"verify_checkpoints={verify_checkpoints!r} must be True (check every part read against "
+                             "its checksum) or False (load a huge checkpoint you trust without the check).")
+        self.verify_checkpoints = verify_checkpoints
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}; 'popen' (the default) "
                              "re-runs your script once per device, as DDP does.")
@@ -416,12 +422,23 @@ class ZeroStrategy(ParallelStrategy):
                      self.config.stage)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A sharded directory (any world size and stage) or a regular file, never unpickling arbitrary
-        objects unless ``weights_only=False`` is passed for a file."""
+        """A sharded directory (any world size and stage), a DeepSpeed checkpoint directory, or a regular
+        file, never unpickling arbitrary objects unless ``weights_only=False`` is passed for a file. A
+        checkpoint that fails to open on any rank fails on every rank."""
+        opened: dict[str, Any] = {}
+        if is_deepspeed_checkpoint(checkpoint_path):  # DeepSpeed's (or Lightning's DeepSpeedStrategy's) directory
+            on_every_rank(self.comm, lambda: opened.update(checkpoint=read_deepspeed_checkpoint(checkpoint_path)))
+            assert self.lightning_module is not None  # DeepSpeed trained the bare model: names may lack a prefix
+            return fit_to_module(opened["checkpoint"], list(self.lightning_module.state_dict(keep_vars=True)))
         if not is_sharded_checkpoint(checkpoint_path) and Path(checkpoint_path).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
-        reader = CheckpointReader(checkpoint_path)  # raises, naming what is wrong, for anything else
-        checkpoint = reader.trainer_state()
+
+        def open_sharded() -> None:  # raises, naming what is wrong, for anything that is not a checkpoint
+            reader = CheckpointReader(checkpoint_path, verify=self.verify_checkpoints)
+            opened.update(reader=reader, checkpoint=reader.trainer_state())
+
+        on_every_rank(self.comm, open_sharded)
+        reader, checkpoint = opened["reader"], opened["checkpoint"]
         saved = checkpoint.pop("zero_checkpoint", None)
         if saved is None:
             raise CheckpointError(f"{checkpoint_path} has no zero_checkpoint entry in its trainer state: it was not "
@@ -443,12 +460,21 @@ class ZeroStrategy(ParallelStrategy):
         self._sharder.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None
         if _SHARDED in checkpoint:
             reader, saved = checkpoint[_SHARDED]
-            assert self.lightning_module is not None
             return on_every_rank(self.comm, lambda: load_optimizers(reader, saved, self.lightning_module,
                                                                         self._zero_optimizers))
-        return super().load_optimizer_state_dict(checkpoint)
+        if "deepspeed" in checkpoint:  # DeepSpeed kept the trainable parameters only: numbered by name
+            if len(self.optimizers) != 1:
+                raise CheckpointError(f"a DeepSpeed checkpoint holds one optimizer, configure_optimizers gives "
+                                      f"{len(self.optimizers)}; load it into a module with one optimizer.")
+            names = parameter_names(self.lightning_module)
+            groups = [[names[p] for p in g["params"]] for g in self.optimizers[0].param_groups]
+            checkpoint = {**checkpoint, "optimizer_states": [align_optimizer_state(checkpoint, groups)]}
+        super().load_optimizer_state_dict(checkpoint)
+        on_every_rank(self.comm, lambda: masters_from_state_dict(checkpoint["state_dict"], self.lightning_module,
+                                                                 self._zero_optimizers))
 
     @property
     def _zero_optimizers(self) -> list[ZeroOptimizer]:
