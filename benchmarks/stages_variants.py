@@ -161,14 +161,16 @@ def instrument_sharder(sharder: Any, phases: dict[str, float], where: dict[str, 
     """Stage 3: the unit gathers and releases, keyed by the step phase they ran in.
 
     ``s3.gather(sync)`` is a gather that waits (a unit's own pre-forward / pre-backward hook: the
-    all-gathers it issues, or a prefetch still in flight); ``s3.prefetch`` only issues one.
-    ``s3.group_gather`` (inside both) is allocating the full buffer and issuing the all-gather;
-    ``s3.release`` drops buffers (and waits for a gather not yet waited on).
+    all-gathers it issues, or a prefetch still in flight); ``s3.prefetch`` only issues one. Both
+    include the order guard's check ([Note: order guard]). ``s3.group_gather`` (inside both) is
+    allocating the full buffer and issuing the all-gather; ``s3.release`` drops buffers (and waits
+    for a gather not yet waited on).
     """
-    _wrap(sharder, "gather", phases, lambda unit, wait=True: "s3.gather(sync)" if wait else "s3.prefetch", where)
-    _wrap(sharder, "release", phases, "s3.release", where)
+    _wrap(sharder, "gather", phases,
+          lambda unit, phase=0, wait=True, context=None: "s3.gather(sync)" if wait else "s3.prefetch", where)
     _wrap(sharder, "backward_finished", phases, "s3.backward_finished", where)
     for unit in sharder.all_units:
+        _wrap(unit, "release", phases, "s3.release", where)
         for g in unit.groups:
             _wrap(g, "gather", phases, "s3.group_gather(alloc+issue)", where)
 

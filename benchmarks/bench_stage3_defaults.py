@@ -1,0 +1,198 @@
+"""Stage 3 with nothing but its defaults, as users meet it, against DDP and torch FSDP2 (2 gloo ranks).
+
+    python benchmarks/bench_stage3_defaults.py [--models mlp,gpt2,bert] [--steps 4] [--guard-steps 16]
+
+For each model (the 8-block 1024-4096-1024 MLP of 67.1M parameters, transformers' GPT-2 small and
+BERT-base built from their default configs, random init) and each variant, a fresh pair of
+processes builds the model (seed 0), trains ``--steps`` steps of fp32 AdamW on the same batches,
+and reports per rank: the process's peak resident memory (VmHWM, imports and model init included),
+the same over the resident memory before the model was built, the median step time, and for ZeRO-3
+``memory_stats()`` against the formula 16 bytes x parameters / N. Variants:
+
+- ``ddp``: torch DistributedDataParallel;
+- ``zero3``: ``ZeroConfig(stage=3)`` with no other option, the engine ``Trainer(strategy="zero_stage_3")``
+  runs (units chosen by size: see [Note: default units] in zero_strategy/engine/unit_plan.py);
+- ``fsdp2``: ``fully_shard`` on each block (the MLP's blocks, GPT2Block, BertLayer) and the root.
+
+The losses of the first steps are compared with DDP's. Then the ZeRO-3 processes time the order
+guard ([Note: order guard]): ``--guard-steps`` more steps with the check on and off in turn (the
+same model, interleaved), printing the paired ratio of their medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+VARIANTS = ("ddp", "zero3", "fsdp2")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 1024) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):  # (B, d) -> (B, d)
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def build(name: str) -> tuple[nn.Module, type]:
+    """The model and the class of its blocks (FSDP2's fully_shard units)."""
+    if name == "mlp":
+        return nn.Sequential(*[Block() for _ in range(8)]), Block
+    import transformers
+
+    if name == "gpt2":
+        config = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(config), transformers.models.gpt2.modeling_gpt2.GPT2Block
+    config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForSequenceClassification(config), transformers.models.bert.modeling_bert.BertLayer
+
+
+def loss_of(name: str, model: nn.Module, step: int, rank: int, batch: int, seq: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if name == "mlp":
+        x, y = torch.randn(batch, 1024, generator=g), torch.randn(batch, 1024, generator=g)
+        return F.mse_loss(model(x), y)
+    ids = torch.randint(0, 30000, (batch, seq), generator=g)
+    if name == "gpt2":
+        return model(input_ids=ids, labels=ids).loss
+    return model(input_ids=ids, labels=torch.randint(0, 2, (batch,), generator=g)).loss
+
+
+def _kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run(rank: int, world: int, port: int, args: argparse.Namespace, model_name: str, variant: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from zero_strategy import ZeroConfig, ZeroOptimizer, count_parameters, estimate_memory, memory_stats
+    from zero_strategy.engine import shard_module
+
+    baseline = _kib("VmRSS")
+    torch.manual_seed(0)
+    model, block_class = build(model_name)
+    numel = sum(p.numel() for p in model.parameters())
+    sharder = None
+    if variant == "ddp":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        forward = nn.parallel.DistributedDataParallel(model)
+    elif variant == "zero3":
+        config = ZeroConfig(stage=3)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        sharder = shard_module(model, config)
+        opt = ZeroOptimizer(inner, config, sharder=sharder)
+        forward = model
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            if isinstance(module, block_class):
+                fully_shard(module)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        forward = model
+    times, losses = [], []
+
+    def step(i: int) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        loss = loss_of(model_name, forward, i, rank, args.batch, args.seq)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        dist.barrier()
+        losses.append(loss.item())
+        return time.perf_counter() - start
+
+    for i in range(args.steps):
+        times.append(step(i))
+    result = {"peak_rss": _kib("VmHWM"), "peak_over_baseline": _kib("VmHWM") - baseline, "step_s": times,
+              "losses": losses[: args.steps], "params": numel}
+    if sharder is not None:
+        stats = memory_stats(model, [opt])
+        result.update(model_state=stats["total"], formula=estimate_memory(count_parameters(model), stage=3,
+                                                                          world_size=world)["total"],
+                      units=len(sharder.units), largest_unit=max(sum(g.layout.numel for g in u.groups)
+                                                                 for u in sharder.units))
+        on, off = [], []
+        for i in range(args.guard_steps):  # the order guard on and off in turn, on the same model
+            sharder.guard.enabled = i % 2 == 0
+            (on if sharder.guard.enabled else off).append(step(args.steps + i))
+        sharder.guard.enabled = True
+        result.update(guard_on=on, guard_off=off)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(args: argparse.Namespace, model_name: str, variant: str) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        mp.start_processes(run, args=(2, _free_port(), args, model_name, variant, out), nprocs=2,
+                           start_method="spawn")
+        return [json.load(open(f"{out}.{r}")) for r in range(2)]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="mlp,gpt2,bert")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--guard-steps", type=int, default=16, help="steps timing the order guard (on/off in turn)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sample (GPT-2, BERT)")
+    args = parser.parse_args(argv)
+    print(f"2 gloo ranks, 1 thread each, fp32 AdamW, batch {args.batch} (x {args.seq} tokens for GPT-2/BERT), "
+          f"{args.steps} steps; torch {torch.__version__}")
+    for model_name in args.models.split(","):
+        results = {v: measure(args, model_name, v) for v in VARIANTS}
+        ddp = results["ddp"]
+        print(f"\n{model_name}: {ddp[0]['params'] / 1e6:.1f}M parameters")
+        print(f"{'variant':8} {'peak RSS/rank':>14} {'vs DDP':>7} {'over baseline':>14} {'vs DDP':>7} "
+              f"{'step':>8} {'max |loss - DDP|':>17}")
+        for variant, ranks in results.items():
+            peak = max(r["peak_rss"] for r in ranks)
+            over = max(r["peak_over_baseline"] for r in ranks)
+            step = statistics.median(t for r in ranks for t in r["step_s"][1:] or r["step_s"])
+            diff = max(abs(a - b) for r, d in zip(ranks, ddp) for a, b in zip(r["losses"], d["losses"]))
+            print(f"{variant:8} {peak / 2**20:11.0f} MiB {peak / max(x['peak_rss'] for x in ddp):6.2f}x "
+                  f"{over / 2**20:11.0f} MiB {over / max(x['peak_over_baseline'] for x in ddp):6.2f}x "
+                  f"{step:7.3f}s {diff:17.2e}")
+        z = results["zero3"][0]
+        print(f"zero3 model state (memory_stats) {z['model_state'] / 2**20:.0f} MiB per rank = "
+              f"{z['model_state'] / z['formula']:.3f} x the formula 16 x params / N ({z['formula'] / 2**20:.0f} MiB); "
+              f"{z['units']} units, the largest {z['largest_unit'] / 1e6:.2f}M elements")
+        ratios = [statistics.median(r["guard_on"]) / statistics.median(r["guard_off"]) for r in results["zero3"]]
+        print(f"order guard: step time with the check / without, per rank: "
+              + ", ".join(f"{x:.3f}" for x in ratios))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
