@@ -44,15 +44,6 @@ def flat_groups(optimizers: Sequence[ZeroOptimizer], sharder: Optional[Parameter
     return list({id(g): g for g in groups}.values())
 
 
-def _weights(g: FlatGroup, piece) -> torch.Tensor:
-    """The working weights of ``piece``: in the full buffer of a resident group, else in the shard."""
-    if g.resident:
-        assert g.buffer is not None
-        return g.piece_of(g.buffer, piece)
-    assert g.shard is not None
-    return g.shard[piece.shard_offset : piece.shard_offset + piece.numel]
-
-
 # ---- save ----------------------------------------------------------------------------------
 
 
@@ -88,9 +79,9 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
                 record.specs[MASTER + names[p]] = (list(shape), str(g.master_shard.dtype).removeprefix("torch."))
         for piece in g.pieces:
             p, shape = g.params[piece.param], g.shapes[piece.param]
-            add(MODEL + names[p], _weights(g, piece), piece.param_start, shape)
+            add(MODEL + names[p], g.weights(piece), piece.param_start, shape)
             if g.master_shard is not None:
-                add(MASTER + names[p], g.master(piece), piece.param_start, shape)
+                add(MASTER + names[p], g.stepped(piece), piece.param_start, shape)
     for key, value in module.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor) or value in grouped:
             continue
@@ -330,12 +321,10 @@ def load_model(reader: CheckpointReader, saved: dict[str, Any], module: nn.Modul
         if value not in in_shards:  # whole on every rank
             value.data.copy_(reader.full(source))
     for g in sharded:  # this rank's pieces only
-        assert g.shard is not None
         for piece in g.pieces:
             source = source_of.get(g.params[piece.param])
             if source is not None:
-                g.shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(
-                    reader.read(source, piece.param_start, piece.param_end))
+                g.weights(piece).copy_(reader.read(source, piece.param_start, piece.param_end))
         if g.buffer is not None:  # a gathered copy no longer matches the shard
             g.release()
     for key, value in saved.get("model_extra_state", {}).items():
@@ -361,7 +350,7 @@ def load_masters(reader: CheckpointReader, saved: dict[str, Any], module: nn.Mod
             key = names.get(g.params[piece.param])
             if key in model_keys:
                 values = reader.read(_best_source(reader, model_keys[key]), piece.param_start, piece.param_end)
-                g.master(piece).copy_(values)
+                g.stepped(piece).copy_(values)
 
 
 @torch.no_grad()
@@ -378,7 +367,7 @@ def masters_from_state_dict(state_dict: dict[str, Any], module: nn.Module,
             for piece in g.pieces:
                 value = state_dict.get(names.get(g.params[piece.param], ""))
                 if isinstance(value, torch.Tensor) and value.dtype.itemsize > g.dtype.itemsize:
-                    g.master(piece).copy_(value.reshape(-1)[piece.param_start : piece.param_end])
+                    g.stepped(piece).copy_(value.reshape(-1)[piece.param_start : piece.param_end])
 
 
 def load_optimizers(reader: CheckpointReader, saved: dict[str, Any], module: nn.Module,

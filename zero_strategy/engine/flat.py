@@ -1,16 +1,19 @@
 """Contiguous flat buffers: a group's parameters become views into one padded buffer.
 
+Two kinds of group, one class each: a ``ResidentGroup`` keeps its full buffer on every rank (stages 1
+and 2, and small parameters at stage 3); a ``ShardedGroup`` keeps only this rank's shard and holds the
+full buffer between ``gather()`` and ``release()`` (stage 3). ``resident`` says which.
+
+Three layouts of the same elements are addressed through a ``Piece`` (see [Note: pieces] in layout.py):
+the full *buffer* (``piece_of``), this rank's *shard* (``shard_slice``: the shard, the master and the
+gradient shard are laid out alike), and the *parameter* (``piece.param_start/param_end``).
+
 [Note: master copies]
 Low-precision (bf16/fp16) working weights get an fp32 ``master_shard``: this rank's slices, the
-tensor the optimizer updates. After each step ``write_back()`` rounds it into the working copy
-(the resident buffer's own slices, or the shard). fp32 weights, or half precision without master
-weights ("bf16-true"), are their own master: the optimizer updates the working slices in place.
-
-[Note: resident and sharded groups]
-A *resident* group (stages 1 and 2, and small parameters at stage 3) keeps its full buffer on
-every rank; the rank's shard is a set of slices of it. A *sharded* group (stage 3) keeps only
-``shard``, the rank's slices copied out, and holds the full buffer only between ``gather()`` and
-``release()``; while released, each parameter's ``.data`` is an empty tensor (``torch.Size([0])``).
+tensor the optimizer updates (``stepped(piece)``). After each step ``write_back()`` rounds it into
+the working weights (the resident buffer's own slices, or the shard). fp32 weights, or half precision
+without master weights ("bf16-true"), are their own master: the optimizer updates the working slices
+in place, and there is nothing to write back.
 
 [Note: freeing the full buffer]
 Autograd keeps what a forward saved for backward, and for a linear layer that includes views of
@@ -41,25 +44,25 @@ from .collectives import Collectives, Describe, Pending
 from .layout import GroupLayout, Piece, Segment, align_elements, plan_group
 from .offload import HOST, host_copy
 
-_NO_BUCKET = 2**62  # a sharded group is one segment: one all-gather per gather
+_ONE_SEGMENT = 2**62  # a bucket larger than any group: one segment
 
 
 class FlatGroup:
-    """Parameters that share a dtype and device, as views of one padded flat buffer.
+    """Parameters that share a dtype and device, as views of one padded flat buffer (see
+    [Note: segments] in layout.py). Build a ``ResidentGroup`` or a ``ShardedGroup``.
 
-    After construction every parameter's ``.data`` is a view of ``self.buffer`` (see
-    [Note: segments] in layout.py); the Parameter objects themselves are unchanged, so the
-    module, the user's optimizer and LR schedulers keep referring to them.
+    The Parameter objects themselves are unchanged, so the module, the user's optimizer and LR
+    schedulers keep referring to them; only their ``.data`` points into the buffer.
     """
 
+    resident: bool
+
     def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int,
-                 bucket_numel: int = _NO_BUCKET, resident: bool = True,
-                 broadcast_from: Optional[Collectives] = None, master_dtype: Optional[torch.dtype] = None,
-                 offload_master: bool = False, offload_shard: bool = False) -> None:
+                 bucket_numel: int = _ONE_SEGMENT, broadcast_from: Optional[Collectives] = None,
+                 master_dtype: Optional[torch.dtype] = None, offload_master: bool = False) -> None:
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]  # a released parameter's own shape is (0,)
         self.rank = rank
-        self.resident = resident
         first = self.params[0]
         self.dtype, self.device = first.dtype, first.device
         self.layout: GroupLayout = plan_group(
@@ -71,25 +74,20 @@ class FlatGroup:
             for p, view in zip(self.params, self.param_views(self.buffer)):
                 view.copy_(p.detach().reshape(view.shape))
         if broadcast_from is not None:  # every rank starts from rank 0's values, as DDP does
-            broadcast_from.broadcast(self.buffer, src=0)
+            broadcast_from.broadcast(self.buffer, src=0, what=lambda: "broadcast of rank 0's initial parameters")
         self._point_params_at(self.buffer)
-        own = torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments])
-        self.shard: Optional[torch.Tensor] = None
-        if not resident:
-            self.shard = host_copy(own, self.dtype, self.device) if offload_shard else own
-        # see [Note: master copies] and [Note: offloaded groups]
-        self.master_shard: Optional[torch.Tensor] = None
-        if offload_master:
-            want = master_dtype or self.dtype
-            own_master = self.shard is not None and self.shard.device == HOST and self.shard.dtype == want
-            self.master_shard = self.shard if own_master else host_copy(own, want, self.device)
-        elif master_dtype not in (None, self.dtype):
-            self.master_shard = own.to(master_dtype)
-        self.offload_master, self.offload_shard = offload_master, offload_shard and not resident
-        self._full: Optional[torch.Tensor] = None  # a sharded group's full buffer: see [Note: freeing the full buffer]
-        if not resident:
-            self._full = self.buffer
-            self.release()
+        self.offload_master = offload_master
+        self.master_shard: Optional[torch.Tensor] = None  # see [Note: master copies]
+        self._master_dtype = (master_dtype or self.dtype) if offload_master else master_dtype
+
+    def _make_master(self, own: torch.Tensor, shard: Optional[torch.Tensor]) -> None:
+        """The master shard from this rank's slices ``own`` (see [Note: offloaded groups])."""
+        want = self._master_dtype
+        if self.offload_master:
+            is_own = shard is not None and shard.device == HOST and shard.dtype == want
+            self.master_shard = shard if is_own else host_copy(own, want, self.device)
+        elif want not in (None, self.dtype):
+            self.master_shard = own.to(want)
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -98,6 +96,11 @@ class FlatGroup:
     @property
     def gathered(self) -> bool:
         return self.buffer is not None
+
+    @property
+    def has_master_copy(self) -> bool:
+        """Whether the optimizer steps a separate master (to be written back into the weights)."""
+        return self.master_shard is not None and self.master_shard is not getattr(self, "shard", None)
 
     # ---- views -----------------------------------------------------------------------------
 
@@ -110,48 +113,142 @@ class FlatGroup:
         lo, hi = seg.shard_range(self.rank)
         return buffer[lo:hi]
 
-    def piece_of(self, buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
+    @staticmethod
+    def piece_of(buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
         """The elements of ``piece`` in a buffer laid out like ``self.buffer``."""
         return buffer[piece.buffer_offset : piece.buffer_offset + piece.numel]
+
+    @staticmethod
+    def shard_slice(shard: torch.Tensor, piece: Piece, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of ``piece`` in a tensor laid out like this rank's shard (the
+        shard, the master, a gradient shard)."""
+        end = piece.numel if end is None else end
+        return shard[piece.shard_offset + start : piece.shard_offset + end]
+
+    @staticmethod
+    def segment_shard(shard: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """Segment ``seg``'s part of a tensor laid out like this rank's shard."""
+        return shard[seg.shard_start : seg.shard_start + seg.shard_numel]
 
     def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """One view per parameter, shaped like it, into a buffer laid out like ``self.buffer``."""
         return [buffer[off : off + n].view(shape) for off, n, shape in
                 zip(self.layout.param_offsets, self.layout.numels, self.shapes)]
 
-    def master(self, piece: Piece) -> torch.Tensor:
-        """The tensor the optimizer updates for ``piece``: see [Note: master copies]."""
+    def weights(self, piece: Piece) -> torch.Tensor:
+        """The working weights of ``piece`` on this rank."""
+        raise NotImplementedError
+
+    def stepped(self, piece: Piece) -> torch.Tensor:
+        """The tensor the optimizer updates for ``piece``: its master, or its working weights when
+        they are their own master (see [Note: master copies])."""
         if self.master_shard is not None:
-            return self.master_shard[piece.shard_offset : piece.shard_offset + piece.numel]
-        if self.resident:
-            assert self.buffer is not None
-            return self.piece_of(self.buffer, piece)
-        assert self.shard is not None
-        return self.shard[piece.shard_offset : piece.shard_offset + piece.numel]
+            return self.shard_slice(self.master_shard, piece)
+        return self.weights(piece)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The working weights' storage held now (the master aside)."""
+        raise NotImplementedError
 
     def _point_params_at(self, buffer: torch.Tensor) -> None:
         for p, view in zip(self.params, self.param_views(buffer)):
             p.data = view
 
-    # ---- moving parameters in and out (sharded groups) -------------------------------------
+    # ---- after a step ----------------------------------------------------------------------
+
+    def write_back(self) -> None:
+        """Round the masters into this rank's working weights (nothing when they are their own)."""
+        raise NotImplementedError
+
+    def write_back_piece(self, piece: Piece, start: int = 0, end: Optional[int] = None) -> None:
+        """Round elements ``[start, end)`` of ``piece``'s master into the working weights without
+        waiting: a copy from pinned host memory runs while the host goes on (see [Note: stepping in
+        tiles] in offload.py); ``wait_for_copies`` before reading them."""
+        if self.has_master_copy:
+            assert self.master_shard is not None
+            end = piece.numel if end is None else end
+            self.weights(piece)[start:end].copy_(self.shard_slice(self.master_shard, piece, start, end),
+                                                 non_blocking=True)
+
+    def masters_from_weights(self) -> None:
+        """The masters from the working weights (after these were loaded or edited whole)."""
+        if self.has_master_copy:
+            assert self.master_shard is not None
+            for piece in self.pieces:
+                self.shard_slice(self.master_shard, piece).copy_(self.weights(piece))
+
+
+class ResidentGroup(FlatGroup):
+    """A group whose full buffer lives on every rank; the rank's shard is a set of its slices."""
+
+    resident = True
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int, **kwargs) -> None:
+        super().__init__(params, world_size, rank, **kwargs)
+        assert self.buffer is not None
+        self._make_master(torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments]), None)
+
+    def weights(self, piece: Piece) -> torch.Tensor:
+        assert self.buffer is not None
+        return self.piece_of(self.buffer, piece)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        assert self.buffer is not None
+        return [self.buffer]
+
+    def write_back(self) -> None:
+        if self.has_master_copy:
+            assert self.buffer is not None and self.master_shard is not None
+            for seg in self.segments:
+                self.own_shard_of(self.buffer, seg).copy_(self.segment_shard(self.master_shard, seg))
+
+    def adopt_params(self) -> None:
+        """The parameters were given other tensors (``module.cpu()`` and back): copy their values into
+        the buffer and make them its views again."""
+        assert self.buffer is not None
+        with torch.no_grad():
+            for p, view in zip(self.params, self.param_views(self.buffer)):
+                if p.data.data_ptr() != view.data_ptr():
+                    view.copy_(p.data.reshape(view.shape))
+        self._point_params_at(self.buffer)
+
+
+class ShardedGroup(FlatGroup):
+    """A group of which each rank keeps only its ``shard``; the full buffer exists while gathered
+    (see [Note: freeing the full buffer]). ``offload_shard`` keeps the shard in host memory."""
+
+    resident = False
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int,
+                 offload_shard: bool = False, **kwargs) -> None:
+        super().__init__(params, world_size, rank, **kwargs)
+        assert self.buffer is not None
+        own = torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments])
+        self.offload_shard = offload_shard
+        self.shard: torch.Tensor = host_copy(own, self.dtype, self.device) if offload_shard else own
+        self._make_master(own, self.shard)
+        self._full = self.buffer
+        self.release()
+
+    def weights(self, piece: Piece) -> torch.Tensor:
+        return self.shard_slice(self.shard, piece)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [self.shard] + ([self.buffer] if self.buffer is not None else [])
 
     def gather(self, comm: Collectives, what: Describe) -> list[Pending]:
         """Start all-gathering the full buffer; parameters point at it (valid once waited)."""
-        assert not self.resident and self.shard is not None
         if self.buffer is not None:
             return []
-        assert self._full is not None
         self._full.untyped_storage().resize_(self.layout.numel * self._full.element_size())
         self.buffer = self._full
         self._point_params_at(self.buffer)
         shard = self.shard.to(self.device, non_blocking=True)  # a host shard goes to the device first
-        return [comm.all_gather(self.segment_of(self.buffer, seg),
-                                shard[seg.shard_start : seg.shard_start + seg.shard_numel], what)
+        return [comm.all_gather(self.segment_of(self.buffer, seg), self.segment_shard(shard, seg), what)
                 for seg in self.segments]
 
     def release(self) -> None:
         """Free the full buffer's memory; parameters become empty until the next gather."""
-        assert not self.resident
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
@@ -159,64 +256,20 @@ class FlatGroup:
             self.buffer.untyped_storage().resize_(0)  # also under autograd's saved views
         self.buffer = None
 
-    def write_back(self, copy: bool = True) -> None:
-        """After a step: round the fp32 master into the working weights (this rank's slices), and
-        drop a sharded group's gathered copy, which no longer matches its shard. ``copy=False``:
-        the pieces were written back already (``write_back_piece``); only release."""
-        if self.resident:
-            if copy and self.master_shard is not None:
-                assert self.buffer is not None
-                for seg in self.segments:
-                    lo = seg.shard_start
-                    self.own_shard_of(self.buffer, seg).copy_(self.master_shard[lo : lo + seg.shard_numel])
-            return
-        assert self.shard is not None
-        if copy and self.master_shard is not None and self.master_shard is not self.shard:
+    def write_back(self) -> None:
+        """Round the master into the shard; a gathered copy no longer matches it, and is released."""
+        if self.has_master_copy:
+            assert self.master_shard is not None
             self.shard.copy_(self.master_shard)
         if self.buffer is not None:
             self.release()
 
-    def write_back_piece(self, piece: Piece, start: int = 0, end: Optional[int] = None) -> None:
-        """Round elements ``[start, end)`` of ``piece``'s master into the working weights without
-        waiting: a copy from pinned host memory runs while the host goes on (see [Note: stepping in
-        tiles] in offload.py); ``wait_for_copies`` before reading them."""
-        if self.master_shard is None or self.master_shard is self.shard:
-            return
-        end = piece.numel if end is None else end
-        lo = piece.shard_offset
-        src = self.master_shard[lo + start : lo + end]
-        if self.resident:
-            assert self.buffer is not None
-            dst = self.buffer[piece.buffer_offset + start : piece.buffer_offset + end]
-        else:
-            assert self.shard is not None
-            dst = self.shard[lo + start : lo + end]
-        dst.copy_(src, non_blocking=True)
-
-    def adopt_params(self) -> None:
-        """A resident group whose parameters were given other tensors (``module.cpu()`` and back):
-        copy their values into the buffer and make them its views again."""
-        assert self.resident and self.buffer is not None
-        with torch.no_grad():
-            for p, view in zip(self.params, self.param_views(self.buffer)):
-                if p.data.data_ptr() != view.data_ptr():
-                    view.copy_(p.data.reshape(view.shape))
-        self._point_params_at(self.buffer)
-
-    def master_from_weights(self) -> None:
-        """A resident group's master slices from its (just loaded or edited) working weights."""
-        assert self.resident and self.buffer is not None
-        if self.master_shard is None or self.master_shard is self.shard:
-            return
-        for seg in self.segments:
-            lo = seg.shard_start
-            self.master_shard[lo : lo + seg.shard_numel].copy_(self.own_shard_of(self.buffer, seg))
-
-    def save_own_slices(self) -> None:
-        """Copy this rank's slices of the (gathered, edited) full buffer back into the shard."""
-        assert self.buffer is not None and self.shard is not None
+    def commit_gathered(self) -> None:
+        """Keep this rank's slices of the gathered (edited or loaded) full buffer: into the shard, and
+        the master."""
+        assert self.buffer is not None
         for seg in self.segments:
             own = self.own_shard_of(self.buffer, seg)
-            self.shard[seg.shard_start : seg.shard_start + seg.shard_numel].copy_(own)
+            self.segment_shard(self.shard, seg).copy_(own)
             if self.master_shard is not None:
-                self.master_shard[seg.shard_start : seg.shard_start + seg.shard_numel].copy_(own)
+                self.segment_shard(self.master_shard, seg).copy_(own)

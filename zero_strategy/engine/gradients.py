@@ -209,7 +209,7 @@ class GradientReducer:
         staging[end:].zero_()
         if self.comm.world_size > 1:
             staging.div_(self.comm.world_size)  # average as DDP does: divide, then sum
-        target = self.grad_shards[gi][seg.shard_start : seg.shard_start + seg.shard_numel]
+        target = group.segment_shard(self.grad_shards[gi], seg)
         if self.host_grads[gi] is not None:  # see [Note: gradients to the host]
             output = torch.empty(seg.shard_numel, dtype=group.dtype, device=group.device)
         else:
@@ -257,7 +257,7 @@ class GradientReducer:
             host = self.host_grads[gi]
             if host is not None:
                 seg = self.groups[gi].segments[si]
-                host[seg.shard_start : seg.shard_start + seg.shard_numel].copy_(
+                self.groups[gi].segment_shard(host, seg).copy_(
                     self.groups[gi].own_shard_of(self.grad_buffers[gi], seg), non_blocking=True)
         self._reduced = True
 
@@ -272,10 +272,10 @@ class GradientReducer:
         device's copies are done)."""
         host = self.host_grads[gi]
         if host is not None:
-            return host[piece.shard_offset : piece.shard_offset + piece.numel]
+            return FlatGroup.shard_slice(host, piece)
         if self.stage == 1:
             return self.groups[gi].piece_of(self.grad_buffers[gi], piece)
-        return self.grad_shards[gi][piece.shard_offset : piece.shard_offset + piece.numel]
+        return FlatGroup.shard_slice(self.grad_shards[gi], piece)
 
     def received_anywhere(self) -> list[list[bool]]:
         """Which parameters got a gradient on at least one rank since zero_grad (one all-reduce)."""

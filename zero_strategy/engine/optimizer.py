@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .. import kernels
 from ..config import ZeroConfig
 from .collectives import Collectives, wait_all
-from .flat import FlatGroup
+from .flat import FlatGroup, ResidentGroup
 from .gradients import GradientReducer
 from .offload import HOST, DiskState, DiskStepper, host_optimizer_kwargs, plan_tiles, wait_for_copies
 from .parameters import ParameterSharder
@@ -132,8 +132,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if config.stage == 3:
             self.groups = self._groups_of(sharder, trainable)
         else:
-            self.groups = [FlatGroup(ps, self.comm.world_size, self.comm.rank, config.bucket_numel(ps[0].element_size()),
-                                     master_dtype=config.master_dtype, offload_master=config.offload_optimizer)
+            self.groups = [ResidentGroup(ps, self.comm.world_size, self.comm.rank,
+                                         bucket_numel=config.bucket_numel(ps[0].element_size()),
+                                         master_dtype=config.master_dtype, offload_master=config.offload_optimizer)
                            for ps in trainable]
         self._device = self.groups[0].device if self.groups else torch.device("cpu")  # where collectives run
         if param_order is None and sharder is not None:  # the module's order: see [Note: launch order]
@@ -150,7 +151,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._pieces = []  # the inner optimizer's tensor for each piece of each group
         self._user_group: list[list[Optional[int]]] = []  # the param group of each piece (None: not ours)
         for g in self.groups:
-            self._pieces.append([g.master(piece) for piece in g.pieces])
+            self._pieces.append([g.stepped(piece) for piece in g.pieces])
             self._user_group.append([user_group_of.get(g.params[piece.param]) for piece in g.pieces])
             for t, gi in zip(self._pieces[-1], self._user_group[-1]):
                 if gi is not None:  # at stage 3 a unit may hold parameters of another optimizer
@@ -346,8 +347,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     self._pieces[p.group][p.piece].grad = None
                 written(live)
         wait_for_copies(self._device)
-        for g in self.groups:
-            g.write_back(copy=False)
+        for g in self.groups:  # the pieces were written back tile by tile: a gathered copy is stale now
+            if not g.resident and g.gathered:
+                g.release()
 
     def _keep_state_on_host(self) -> None:
         """Lightning's checkpoint restore moves optimizer state to the root device; put it back."""

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..config import ZeroConfig
 from .collectives import Collectives
-from .flat import FlatGroup
+from .flat import FlatGroup, ResidentGroup, ShardedGroup
 from .order_guard import BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE, OrderGuard
 from .unit import Unit, UnitState
 from .unit_plan import UnitPlan, plan_units
@@ -172,15 +172,16 @@ class ParameterSharder:
             owners = list(dict.fromkeys(m for p in on_meta for m in self._owners[p]))
             _materialize(on_meta, owners, self._device or torch.device("cpu"))
         n, r, config = self.comm.world_size, self.comm.rank, self.config
-        groups = []
+        groups: list[FlatGroup] = []
         for ps in _split(params, self._optimizer_of):
             trainable = ps[0].requires_grad
-            # sharded groups are cut into buckets too, so a big unit (the root) is reduced in pieces
-            bucket = {} if resident else {"bucket_numel": config.bucket_numel(ps[0].element_size())}
-            groups.append(FlatGroup(ps, n, r, resident=resident, broadcast_from=self.comm,
-                                    master_dtype=config.master_dtype if trainable else None,
-                                    offload_master=config.offload_optimizer and trainable,
-                                    offload_shard=config.offload_params and not resident, **bucket))
+            common = dict(broadcast_from=self.comm, master_dtype=config.master_dtype if trainable else None,
+                          offload_master=config.offload_optimizer and trainable)
+            if resident:
+                groups.append(ResidentGroup(ps, n, r, **common))
+            else:  # cut into buckets too, so a big unit (the root) is reduced in pieces
+                groups.append(ShardedGroup(ps, n, r, bucket_numel=config.bucket_numel(ps[0].element_size()),
+                                           offload_shard=config.offload_params, **common))
         return groups
 
     @property
@@ -308,11 +309,11 @@ class ParameterSharder:
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Parameter storage held now: every shard, and the full buffers of gathered or resident groups."""
-        return [t for g in self.groups for t in (g.shard, g.buffer) if t is not None]
+        return [t for g in self.groups for t in g.held_tensors()]
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The parameter storage in host memory: the shards of ``offload_params``."""
-        return [g.shard for g in self.groups if g.offload_shard and g.shard is not None]
+        return [g.shard for g in self.groups if isinstance(g, ShardedGroup) and g.offload_shard]
 
     # ---- whole state dicts, one unit at a time ---------------------------------------------
 
@@ -372,11 +373,11 @@ class ParameterSharder:
                 self.gather(unit)
                 for g in unit.groups:
                     load_params(g)
-                    g.save_own_slices()
+                    g.commit_gathered()
                 unit.release()
             for g in self.resident:
                 load_params(g)
-                g.master_from_weights()
+                g.masters_from_weights()
             for key, value in entries.items():
                 if not isinstance(value, nn.Parameter) and key in state_dict:
                     load(key, value)
@@ -409,7 +410,7 @@ def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
         if modifier_rank is not None:
             _adopt_values_of(modifier_rank, params, units)
             for g in (g for sharder in sharders for g in sharder.resident if any(p in wanted for p in g.params)):
-                g.master_from_weights()  # the broadcast values, into the fp32 masters too
+                g.masters_from_weights()  # the broadcast values, into the fp32 masters too
         for _, u in units:
             u.unhold()
 
@@ -425,7 +426,7 @@ def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple["P
             for g in u.groups:
                 assert g.buffer is not None
                 sharder.comm.broadcast(g.buffer, src=rank, what=lambda: what)
-                g.save_own_slices()
+                g.commit_gathered()
         in_units = {p for _, u in units for g in u.groups for p in g.params}
         comm = units[0][0].comm if units else Collectives()
         for p in params:

@@ -68,7 +68,7 @@ def consolidate_state(zopt) -> dict[str, Any]:
                 shard = torch.zeros(g.layout.shard_numel, dtype=getattr(torch, dtype), device=device)
                 for piece, t in zip(g.pieces, tensors):
                     if key in inner_state.get(t, {}):
-                        shard[piece.shard_offset : piece.shard_offset + piece.numel] = inner_state[t][key]
+                        g.shard_slice(shard, piece).copy_(inner_state[t][key])
                 gathered = zopt.comm.all_gather_shards(shard)  # (world_size, shard_numel)
                 for i in with_state:
                     state[index[g.params[i]]][key] = _full_param(g, gathered, i).cpu()
