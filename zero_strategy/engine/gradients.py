@@ -80,59 +80,162 @@ def launch_order(groups: Sequence[FlatGroup], position: Mapping[torch.nn.Paramet
 
 
 class GradientReducer:
-    """Takes gradients from autograd into flat storage and averages them across ranks.
+    """Takes gradients from autograd into flat storage and averages them across ranks; the common
+    part of the two reducers (``make_reducer`` picks one): the groups' fixed launch order (see
+    [Note: launch order]), which parameters received a gradient, and the host gradient shards of
+    optimizer offload (see [Note: gradients to the host])."""
 
-    Stage 1: every parameter's ``.grad`` is a view of a full flat gradient buffer, so autograd
-    accumulates in place (over micro-batches too); ``reduce()``, called before the step, reduces
-    each segment in place. Stage 2: a hook copies each gradient into its segment's staging buffer
-    and frees it; complete segments are reduced asynchronously into a gradient shard while backward
-    goes on, and only that shard (and a few reused staging buffers) outlives the backward pass.
-    """
-
-    def __init__(self, groups: Sequence[FlatGroup], stage: int, comm: Collectives,
-                 position: Optional[Mapping[torch.nn.Parameter, int]] = None, listener=None,
+    def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
                  host_dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
         self.groups = list(groups)
-        # see [Note: gradients to the host]; host_grads[gi] is the shard the step reads, or None
+        self.comm = comm
+        # host_grads[gi]: the shard the step reads, in host memory (offload), or None
         self.host_grads: list[Optional[torch.Tensor]] = [
             host_empty(g.layout.shard_numel, dt, g.device).zero_() for g, dt in zip(self.groups, host_dtypes)
         ] if host_dtypes is not None else [None] * len(self.groups)
-        self.stage = 1 if stage == 1 else 2  # stage 3 reduces as stage 2 does, unit by unit
-        self.comm = comm
-        self.listener = listener  # told when a group's gradients are all in and when backward ends
-        if position is None:
-            position = {p: i for i, p in enumerate(p for g in self.groups for p in g.params)}
         self.order = launch_order(self.groups, position)
-        self._rank_in_order = {key: n for n, key in enumerate(self.order)}
         self.received = [[False] * len(g.params) for g in self.groups]
-        self._reduced = False  # stage 1: reduce() already ran for the current gradients
-        self._inflight: deque = deque()  # (pending, staging, output, target)
-        if stage == 1:
-            self.grad_buffers = [torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device) for g in self.groups]
-            self._grad_views = [g.param_views(b) for g, b in zip(self.groups, self.grad_buffers)]
-            self._attach_grad_views()
-        else:
-            self.grad_shards = [
-                h if h is not None else torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device)
-                for g, h in zip(self.groups, self.host_grads)]
-            self._shard_filled = False  # False after zero_grad: the next reduction writes, not adds
-            self._pool = _StagingPool()
-            self._reset_backward_state()
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, gi, i))
             for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)
         ]
 
-    # ---- hooks -----------------------------------------------------------------------------
+    def _on_grad(self, gi: int, i: int, param: torch.nn.Parameter) -> None:
+        raise NotImplementedError
+
+    def _describe(self, gi: int, si: int) -> str:
+        seg = self.groups[gi].segments[si]
+        return f"reduce-scatter of gradient segment {si} of flat group {gi} ({len(seg.params)} parameters, " \
+               f"{seg.numel} elements)"
+
+    def reduce(self) -> None:
+        """Make every piece's gradient the average over ranks (before the step). Idempotent until zero_grad."""
+
+    def piece_grad(self, gi: int, piece: Piece) -> torch.Tensor:
+        """The averaged gradient of ``piece`` (valid after reduce(), and on the host once the
+        device's copies are done)."""
+        raise NotImplementedError
+
+    def received_anywhere(self) -> list[list[bool]]:
+        """Which parameters got a gradient on at least one rank since zero_grad (one all-reduce)."""
+        flags = [f for per_group in self.received for f in per_group]
+        if not flags:
+            return []
+        mask = torch.tensor(flags, dtype=torch.uint8, device=self.groups[0].device)
+        self.comm.all_reduce(mask, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters got gradients")
+        values, out = mask.tolist(), []
+        for per_group in self.received:
+            out.append([bool(v) for v in values[: len(per_group)]])
+            values = values[len(per_group):]
+        return out
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Gradient storage that outlives a step."""
+        raise NotImplementedError
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The gradient storage that lives in host memory (see [Note: gradients to the host])."""
+        return [h for h in self.host_grads if h is not None]
+
+    def zero_grad(self) -> None:
+        self.received = [[False] * len(g.params) for g in self.groups]
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class FullGradientReducer(GradientReducer):
+    """Stage 1: every parameter's ``.grad`` is a view of a full flat gradient buffer, so autograd
+    accumulates in place (over micro-batches too); ``reduce()``, called before the step, reduces
+    each segment in place."""
+
+    def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
+        super().__init__(groups, comm, position, host_dtypes)
+        self.grad_buffers = [torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device) for g in self.groups]
+        self._grad_views = [g.param_views(b) for g, b in zip(self.groups, self.grad_buffers)]
+        self._reduced = False  # reduce() already ran for the current gradients
+        self._attach_grad_views()
+
+    def _attach_grad_views(self) -> None:
+        for group, views in zip(self.groups, self._grad_views):
+            for p, view in zip(group.params, views):
+                p.grad = view
 
     def _on_grad(self, gi: int, i: int, param: torch.nn.Parameter) -> None:
         self.received[gi][i] = True
-        if self.stage == 1:
-            view = self._grad_views[gi][i]
-            if param.grad is not view:  # e.g. create_graph=True made autograd replace it
-                view.add_(param.grad)
-                param.grad = view
+        view = self._grad_views[gi][i]
+        if param.grad is not view:  # e.g. create_graph=True made autograd replace it
+            view.add_(param.grad)
+            param.grad = view
+
+    def reduce(self) -> None:
+        if self._reduced:
             return
+        pending = []
+        for gi, si in self.order:
+            group = self.groups[gi]
+            seg = group.segments[si]
+            full = group.segment_of(self.grad_buffers[gi], seg)
+            if self.comm.world_size > 1:
+                full.div_(self.comm.world_size)
+            pending.append(self.comm.reduce_scatter(group.own_shard_of(self.grad_buffers[gi], seg), full,
+                                                    functools.partial(self._describe, gi, si)))
+        for (gi, si), p in zip(self.order, pending):  # see [Note: gradients to the host]
+            p.wait()
+            host, group = self.host_grads[gi], self.groups[gi]
+            if host is not None:
+                seg = group.segments[si]
+                group.segment_shard(host, seg).copy_(group.own_shard_of(self.grad_buffers[gi], seg), non_blocking=True)
+        self._reduced = True
+
+    def piece_grad(self, gi: int, piece: Piece) -> torch.Tensor:
+        host = self.host_grads[gi]
+        if host is not None:
+            return FlatGroup.shard_slice(host, piece)
+        return self.groups[gi].piece_of(self.grad_buffers[gi], piece)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return list(self.grad_buffers) + self.host_tensors()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._reduced = False
+        for buffer in self.grad_buffers:
+            buffer.zero_()
+        self._attach_grad_views()
+
+
+class ShardedGradientReducer(GradientReducer):
+    """Stages 2 and 3: a hook copies each gradient into its segment's staging buffer and frees it;
+    complete segments are reduced asynchronously into a gradient shard while backward goes on, and
+    only that shard outlives the backward pass. ``listener`` (stage 3's sharder) is told when a
+    group's gradients are all in and when backward ends."""
+
+    def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None, listener=None) -> None:
+        super().__init__(groups, comm, position, host_dtypes)
+        self.listener = listener
+        self._rank_in_order = {key: n for n, key in enumerate(self.order)}
+        self.grad_shards = [h if h is not None else torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device)
+                            for g, h in zip(self.groups, self.host_grads)]
+        self._shard_filled = False  # False after zero_grad: the next reduction writes, not adds
+        self._pool = _StagingPool()
+        self._inflight: deque = deque()  # (pending, staging, output, target, add)
+        self._reset_backward_state()
+
+    def _reset_backward_state(self) -> None:
+        self._staging: dict[tuple[int, int], torch.Tensor] = {}
+        self._staged: dict[tuple[int, int], set[int]] = {}  # parameters copied in, per segment
+        self._late: set[tuple[int, int]] = set()
+        self._segments_in = [0] * len(self.groups)  # segments whose every gradient arrived, per group
+        self._next = 0  # position in self.order of the next segment to launch
+        self._callback_queued = False
+
+    def _on_grad(self, gi: int, i: int, param: torch.nn.Parameter) -> None:
+        self.received[gi][i] = True
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
@@ -172,16 +275,6 @@ class GradientReducer:
         if self.listener is not None:
             self.listener.backward_finished()
 
-    # ---- stage 2 ---------------------------------------------------------------------------
-
-    def _reset_backward_state(self) -> None:
-        self._staging: dict[tuple[int, int], torch.Tensor] = {}
-        self._staged: dict[tuple[int, int], set[int]] = {}  # parameters copied in, per segment
-        self._late: set[tuple[int, int]] = set()
-        self._segments_in = [0] * len(self.groups)  # segments whose every gradient arrived, per group
-        self._next = 0  # position in self.order of the next segment to launch
-        self._callback_queued = False
-
     def _launch_ready(self) -> None:
         while self._next < len(self.order):
             key = self.order[self._next]
@@ -210,11 +303,11 @@ class GradientReducer:
         if self.comm.world_size > 1:
             staging.div_(self.comm.world_size)  # average as DDP does: divide, then sum
         target = group.segment_shard(self.grad_shards[gi], seg)
+        add = self._shard_filled or accumulate
         if self.host_grads[gi] is not None:  # see [Note: gradients to the host]
             output = torch.empty(seg.shard_numel, dtype=group.dtype, device=group.device)
         else:
-            output = torch.empty_like(target) if (self._shard_filled or accumulate) else target
-        add = self._shard_filled or accumulate
+            output = torch.empty_like(target) if add else target
         what = functools.partial(self._describe, gi, si)
         self._inflight.append((self.comm.reduce_scatter(output, staging, what), buffer, output, target, add))
         self._finish(len(self._inflight) - MAX_INFLIGHT)
@@ -232,89 +325,25 @@ class GradientReducer:
                 target.copy_(output, non_blocking=True)
             self._pool.give(buffer)
 
-    # ---- stage 1 ---------------------------------------------------------------------------
-
-    def _attach_grad_views(self) -> None:
-        for group, views in zip(self.groups, self._grad_views):
-            for p, view in zip(group.params, views):
-                p.grad = view
-
-    def reduce(self) -> None:
-        """Make every piece's gradient the average over ranks. Idempotent until zero_grad."""
-        if self.stage != 1 or self._reduced:
-            return
-        pending = []
-        for gi, si in self.order:
-            group = self.groups[gi]
-            seg = group.segments[si]
-            full = group.segment_of(self.grad_buffers[gi], seg)
-            if self.comm.world_size > 1:
-                full.div_(self.comm.world_size)
-            pending.append(self.comm.reduce_scatter(group.own_shard_of(self.grad_buffers[gi], seg), full,
-                                                    functools.partial(self._describe, gi, si)))
-        for (gi, si), p in zip(self.order, pending):  # see [Note: gradients to the host]
-            p.wait()
-            host = self.host_grads[gi]
-            if host is not None:
-                seg = self.groups[gi].segments[si]
-                self.groups[gi].segment_shard(host, seg).copy_(
-                    self.groups[gi].own_shard_of(self.grad_buffers[gi], seg), non_blocking=True)
-        self._reduced = True
-
-    def _describe(self, gi: int, si: int) -> str:
-        return (f"reduce-scatter of gradient segment {si} of flat group {gi} ({len(self.groups[gi].segments[si].params)} "
-                f"parameters, {self.groups[gi].segments[si].numel} elements)")
-
-    # ---- what the optimizer reads ----------------------------------------------------------
-
     def piece_grad(self, gi: int, piece: Piece) -> torch.Tensor:
-        """The averaged gradient of ``piece`` (valid after reduce(), and on the host once the
-        device's copies are done)."""
-        host = self.host_grads[gi]
-        if host is not None:
-            return FlatGroup.shard_slice(host, piece)
-        if self.stage == 1:
-            return self.groups[gi].piece_of(self.grad_buffers[gi], piece)
-        return FlatGroup.shard_slice(self.grad_shards[gi], piece)
-
-    def received_anywhere(self) -> list[list[bool]]:
-        """Which parameters got a gradient on at least one rank since zero_grad (one all-reduce)."""
-        flags = [f for per_group in self.received for f in per_group]
-        if not flags:
-            return []
-        mask = torch.tensor(flags, dtype=torch.uint8, device=self.groups[0].device)
-        self.comm.all_reduce(mask, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters got gradients")
-        values, out = mask.tolist(), []
-        for per_group in self.received:
-            out.append([bool(v) for v in values[: len(per_group)]])
-            values = values[len(per_group):]
-        return out
+        return FlatGroup.shard_slice(self.grad_shards[gi], piece)  # the host shard itself when offloaded
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Gradient storage that outlives a step: the flat buffers or shards, and reused staging."""
-        hosts = [h for h in self.host_grads if h is not None]
-        if self.stage == 1:
-            return list(self.grad_buffers) + hosts
         return list(self.grad_shards) + list(self._pool.free)
 
-    def host_tensors(self) -> list[torch.Tensor]:
-        """The gradient storage that lives in host memory (see [Note: gradients to the host])."""
-        return [h for h in self.host_grads if h is not None]
-
     def zero_grad(self) -> None:
-        self.received = [[False] * len(g.params) for g in self.groups]
-        self._reduced = False
-        if self.stage == 1:
-            for buffer in self.grad_buffers:
-                buffer.zero_()
-            self._attach_grad_views()
-        else:
-            self._shard_filled = False
-            for group in self.groups:
-                for p in group.params:
-                    p.grad = None
+        super().zero_grad()
+        self._shard_filled = False
+        for group in self.groups:
+            for p in group.params:
+                p.grad = None
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+
+def make_reducer(groups: Sequence[FlatGroup], stage: int, comm: Collectives,
+                 position: Mapping[torch.nn.Parameter, int], listener=None,
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None) -> GradientReducer:
+    """Stage 1's reducer (full gradients, reduced before the step) or stages 2-3's (sharded, during
+    backward; at stage 3 unit by unit, telling ``listener`` the sharder)."""
+    if stage == 1:
+        return FullGradientReducer(groups, comm, position, host_dtypes)
+    return ShardedGradientReducer(groups, comm, position, host_dtypes, listener)

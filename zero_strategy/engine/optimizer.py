@@ -41,7 +41,7 @@ from .. import kernels
 from ..config import ZeroConfig
 from .collectives import Collectives, wait_all
 from .flat import FlatGroup, ResidentGroup
-from .gradients import GradientReducer
+from .gradients import make_reducer
 from .offload import HOST, DiskState, DiskStepper, host_optimizer_kwargs, plan_tiles, wait_for_copies
 from .parameters import ParameterSharder
 from .scaler import LossScaler
@@ -144,8 +144,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.offloaded = config.offload_optimizer
         self._check_offloaded()
         host_dtypes = [g.master_shard.dtype for g in self.groups if g.master_shard is not None] if self.offloaded else None
-        self.reducer = GradientReducer(self.groups, config.stage, self.comm, param_order, listener=sharder,
-                                       host_dtypes=host_dtypes)
+        if param_order is None:
+            param_order = {p: i for i, p in enumerate(p for g in self.groups for p in g.params)}
+        self.reducer = make_reducer(self.groups, config.stage, self.comm, param_order, listener=sharder,
+                                    host_dtypes=host_dtypes)
         user_group_of = {p: gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         inner_groups = [{**user_group, "params": []} for user_group in optimizer.param_groups]
         self._pieces = []  # the inner optimizer's tensor for each piece of each group
