@@ -264,3 +264,15 @@ def test_loading_whole_weights_also_sets_the_masters_of_resident_parameters():
     got = sharder.full_state_dict()
     for key, value in want.items():
         assert torch.equal(got[key], value), key
+
+
+def test_edits_under_gathered_parameters_are_kept_in_a_world_of_one():
+    # no process group: rank 0 is the only rank, and its edits must reach the shards
+    from zero_strategy import gathered_parameters
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    sharder = shard_module(model, ZeroConfig(stage=3, shard_modules=("Linear",), param_persistence_threshold=0))
+    with gathered_parameters(model, modifier_rank=0), torch.no_grad():
+        model[0].weight.fill_(3.0)
+    assert model[0].weight.shape == (0,)  # released again
+    assert torch.equal(sharder.full_state_dict()["0.weight"], torch.full((16, 8), 3.0))

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..engine.collectives import Collectives
@@ -111,22 +110,6 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
     return writer, record
 
 
-def _all_gather_object(comm: Collectives, obj: Any) -> list[Any]:
-    if comm.world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * comm.world_size
-    dist.all_gather_object(out, obj, group=comm.group)
-    return out
-
-
-def _broadcast_object(comm: Collectives, obj: Any) -> Any:
-    if comm.world_size == 1:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(comm.group, 0) if comm.group else 0, group=comm.group)
-    return holder[0]
-
-
 def _error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
@@ -139,7 +122,7 @@ def on_every_rank(comm: Collectives, load: Callable[[], None]) -> None:
         load()
     except Exception as err:  # every rank must reach the all-gather below
         error, mine = _error(err), err
-    failed = [(r, e) for r, e in enumerate(_all_gather_object(comm, error)) if e]
+    failed = [(r, e) for r, e in enumerate(comm.all_gather_object(error)) if e]
     if failed:
         rank, message = failed[0]
         raise CheckpointError(f"loading the checkpoint failed on rank {rank}: {message}") from mine
@@ -164,7 +147,7 @@ def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optim
             store.prepare_partial(path)
         except OSError as err:
             status = _error(err)
-    status = _broadcast_object(comm, status)
+    status = comm.broadcast_object(status)
     if status:
         raise CheckpointError(f"cannot create the checkpoint directory next to {path}: {status}")
     tmp = store.partial_dir(path)
@@ -177,7 +160,7 @@ def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optim
         record.checksums = writer.checksums
     except Exception as err:  # every rank must reach the all-gather below, whatever went wrong
         record.error = _error(err)
-    records: list[_RankRecord] = _all_gather_object(comm, record)
+    records: list[_RankRecord] = comm.all_gather_object(record)
     failed = [(r, rec.error) for r, rec in enumerate(records) if rec.error]
     status = ""
     if comm.rank == 0:
@@ -188,7 +171,7 @@ def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optim
                 failed, status = [(0, _error(err))], _error(err)
         if failed:
             store.discard(path)
-    status = _broadcast_object(comm, status)
+    status = comm.broadcast_object(status)
     if failed or status:
         where = failed[0] if failed else (0, status)
         raise CheckpointError(f"saving the checkpoint {path} failed on rank {where[0]}: {where[1]}. Nothing was "

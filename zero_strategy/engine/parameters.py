@@ -416,10 +416,7 @@ def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
 
 
 def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple["ParameterSharder", Unit]]) -> None:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
+    """Rank ``rank``'s values of ``params`` on every rank, kept in the shards of the gathered ``units``."""
     what = f"broadcast of gathered_parameters' edits from rank {rank}"
     with torch.no_grad():
         for sharder, u in units:

@@ -24,12 +24,8 @@ def _kind(value: Any) -> tuple[str, str]:
 
 def _agree_on_kinds(zopt, local: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
     """Union of the state keys (and their kinds) over ranks; ranks without state learn them."""
-    if zopt.comm.world_size == 1:
-        return local
-    gathered: list = [None] * zopt.comm.world_size
-    dist.all_gather_object(gathered, local, group=zopt.comm.group)
     merged: dict[str, tuple[str, str]] = {}
-    for kinds in gathered:
+    for kinds in zopt.comm.all_gather_object(local):
         merged.update(kinds)
     return dict(sorted(merged.items()))
 
