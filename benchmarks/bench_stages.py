@@ -20,9 +20,7 @@ Variants: ``ddp`` (torch DDP, the baseline), ``zero1``/``zero2``/``zero3`` (this
 stage 3 with one unit per ``ResidualBlock``, ``param_persistence_threshold`` at its default so the
 biases stay whole), ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` on every block, then on the
 root), ``deepspeed3`` (DeepSpeed ZeRO-3, only where ``import deepspeed`` works; left out with a note
-otherwise), ``local`` (the same training without any communication, the compute floor) and, on
-request only, ``zero3_model_order`` (zero3 with ``ZeroOptimizer(param_order=...)`` set to the
-model's parameter order: a diagnostic of the order gradient reductions are launched in).
+otherwise) and ``local`` (the same training without any communication, the compute floor).
 
 "paired ratio" is the median over rounds of a variant's step over DDP's step in the same round,
 which cancels noise that hits a whole round (other jobs on the machine). Each step is also cut

@@ -28,10 +28,8 @@ try:  # written in parallel; stage 3 is left out where it does not exist
 except ImportError:
     gathered_parameters = None
 
-VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "deepspeed3", "local", "zero3_model_order")
-"""local: the same training without any communication (each rank alone), the compute floor.
-zero3_model_order (diagnostic, not run by default): zero3 with ``ZeroOptimizer(param_order=...)`` given
-the model's own parameter order, which changes the order gradient reductions are launched in."""
+VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "deepspeed3", "local")
+"""local: the same training without any communication (each rank alone), the compute floor."""
 DEFAULT_VARIANTS = "ddp,zero1,zero2,zero3,fsdp2,deepspeed3"
 
 
@@ -244,11 +242,10 @@ def build_variant(name: str, args: argparse.Namespace, width: int) -> Variant:
         v = Variant(name, model, model, opt)
         instrument_zero(opt, v._current)
         return v
-    if name in ("zero3", "zero3_model_order"):
+    if name == "zero3":
         config = ZeroConfig(stage=3, bucket_cap_mb=args.bucket_cap_mb, shard_modules=(ResidualBlock.__name__,))
-        order = {p: i for i, p in enumerate(model.parameters())} if name == "zero3_model_order" else None
         sharder = shard_module(model, config)
-        opt = ZeroOptimizer(inner, config, sharder=sharder, param_order=order)
+        opt = ZeroOptimizer(inner, config, sharder=sharder)
         v = Variant(name, model, model, opt, sharder=sharder)
         instrument_zero(opt, v._current)
         instrument_sharder(sharder, v._current, v.where)

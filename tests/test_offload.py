@@ -208,7 +208,8 @@ def test_sharder_and_optimizer_must_agree_on_offload(sharder_offloads):
     model = OddMLP()
     user_opt = torch.optim.Adam(model.parameters())
     sharder = shard_module(model, ZeroConfig(stage=3, offload_optimizer=sharder_offloads, **UNITS))
-    with pytest.raises(ValueError, match=f"offload_optimizer={not sharder_offloads}, but the sharder keeps"):
+    with pytest.raises(ValueError, match=f"offload_optimizer={not sharder_offloads} here, {sharder_offloads} in the "
+                                         "sharder's"):
         ZeroOptimizer(user_opt, ZeroConfig(stage=3, offload_optimizer=not sharder_offloads, **UNITS), sharder=sharder)
 
 

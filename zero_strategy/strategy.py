@@ -40,7 +40,7 @@ from .activation import apply_activation_checkpointing, offload_activations
 from .checkpoint import (CheckpointError, CheckpointReader, align_optimizer_state, is_deepspeed_checkpoint,
                          is_sharded_checkpoint, load_model, load_optimizers, read_deepspeed_checkpoint, save_sharded)
 from .checkpoint.deepspeed import fit_to_module
-from .checkpoint.sharded import flat_groups, masters_from_state_dict, on_every_rank, parameter_names
+from .checkpoint.sharded import masters_from_state_dict, on_every_rank, parameter_names
 from .config import ZeroConfig
 from .deepspeed.config import DeepSpeedSettings
 from .deepspeed_config import DeepSpeedConfig, apply_to_trainer, check_batch_size, engine_settings, optimizers_from_config
@@ -164,7 +164,7 @@ class ZeroStrategy(ParallelStrategy):
         self._timeout = _as_timedelta(timeout)
         self._start_method = start_method
         self._comm: Optional[Collectives] = None  # every collective of the engine, once the process group exists
-        self._sharder: Optional[ParameterSharder] = None  # stage 3: holds the model's shards
+        self._sharder: Optional[ParameterSharder] = None  # the model's flat groups, once set up
 
     # ---- what Lightning asks about the layout of processes ---------------------------------
 
@@ -269,12 +269,14 @@ class ZeroStrategy(ParallelStrategy):
             self._shard_model()
         else:
             _sync_module_states(self.model)  # every rank starts from rank 0's weights and buffers
+            if fitting:  # the flat groups of this fit's optimizers (see [Note: one owner of the flat groups])
+                self._sharder = shard_module(self.model, self.engine_config, self.comm, self.root_device,
+                                             self.optimizers)
         if fitting:
-            order = {p: i for i, p in enumerate(self.model.parameters())}
             scaler = self.precision_plugin.scaler
             self.optimizers = [
                 opt if isinstance(opt, ZeroOptimizer)
-                else ZeroOptimizer(opt, self.engine_config, self.comm, order, self._sharder, scaler)
+                else ZeroOptimizer(opt, self.engine_config, sharder=self._sharder, scaler=scaler)
                 for opt in self.optimizers
             ]
         self.setup_precision_plugin()
@@ -400,7 +402,7 @@ class ZeroStrategy(ParallelStrategy):
     def full_state_dict(self) -> dict[str, Any]:
         """The module's whole state dict, on every rank (a collective at stage 3, gathered unit by unit)."""
         assert self.lightning_module is not None
-        if self._sharder is None:
+        if self._sharder is None or self.config.stage < 3:  # whole on every rank
             return super().lightning_module_state_dict()
         return self._sharder.full_state_dict()
 
@@ -454,8 +456,8 @@ class ZeroStrategy(ParallelStrategy):
         if _SHARDED in checkpoint:
             reader, saved = checkpoint[_SHARDED]
             return on_every_rank(self.comm, lambda: load_model(
-                reader, saved, self.lightning_module, flat_groups(self._zero_optimizers, self._sharder), strict))
-        if self._sharder is None:
+                reader, saved, self.lightning_module, self._sharder.groups if self._sharder else [], strict))
+        if self._sharder is None or self.config.stage < 3:
             return super().load_model_state_dict(checkpoint, strict=strict)
         self._sharder.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 

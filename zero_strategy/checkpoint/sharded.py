@@ -22,6 +22,7 @@ from ..engine.collectives import Collectives
 from ..engine.flat import FlatGroup
 from ..engine.optimizer import ZeroOptimizer
 from ..engine.parameters import ParameterSharder
+from ..engine.state import is_elementwise
 from . import store
 from .store import CheckpointError, CheckpointReader, RankWriter
 
@@ -38,9 +39,10 @@ def parameter_names(module: nn.Module) -> dict[nn.Parameter, str]:
 
 
 def flat_groups(optimizers: Sequence[ZeroOptimizer], sharder: Optional[ParameterSharder]) -> list[FlatGroup]:
-    """The flat groups holding the module's parameters: the sharder's at stage 3, else the optimizers'."""
-    groups = sharder.groups if sharder is not None else [g for opt in optimizers for g in opt.groups]
-    return list({id(g): g for g in groups}.values())
+    """The flat groups holding the module's parameters: ``sharder``'s, or (a plain loop that kept none)
+    those of the sharder each optimizer built (see [Note: one owner of the flat groups])."""
+    owners = [sharder] if sharder is not None else list({id(o.sharder): o.sharder for o in optimizers}.values())
+    return [g for owner in owners for g in owner.groups]
 
 
 # ---- save ----------------------------------------------------------------------------------
@@ -93,18 +95,17 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
         scalars: dict[str, dict[str, Any]] = {}
         tensors: dict[str, list[str]] = {}
         with zopt.materialized_state():  # optimizer state offloaded to disk is read back for this
-            for g, pieces in zip(zopt.groups, zopt._pieces):
-                for piece, t in zip(g.pieces, pieces):
-                    name = names[g.params[piece.param]]
-                    for key, value in zopt.inner.state.get(t, {}).items():
-                        if isinstance(value, torch.Tensor) and value.dim() > 0:
-                            add(optim_name(i, key, name), value, piece.param_start, g.shapes[piece.param])
-                            tensors.setdefault(name, [])
-                            if key not in tensors[name]:
-                                tensors[name].append(key)
-                        else:  # a number per parameter (the step count), the same in each of its pieces
-                            scalars.setdefault(name, {})[key] = value.detach().cpu().clone() if isinstance(
-                                value, torch.Tensor) else value
+            for ref in zopt.pieces():
+                name = names[ref.param]
+                for key, value in zopt.inner.state.get(ref.tensor, {}).items():
+                    if is_elementwise(value):
+                        add(optim_name(i, key, name), value, ref.piece.param_start, ref.group.shapes[ref.piece.param])
+                        tensors.setdefault(name, [])
+                        if key not in tensors[name]:
+                            tensors[name].append(key)
+                    else:  # a number per parameter (the step count), the same in each of its pieces
+                        scalars.setdefault(name, {})[key] = value.detach().cpu().clone() if isinstance(
+                            value, torch.Tensor) else value
         record.optim_scalars.append(scalars)
         record.optim_tensors.append(tensors)
     return writer, record

@@ -43,6 +43,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .state import is_elementwise
+
 HOST = torch.device("cpu")
 
 FUSED_ON_CPU: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -204,11 +206,6 @@ class DiskState:
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the I/O thread (reads and writes in submission order)."""
         return self._io.submit(fn, *args)
-
-
-def is_elementwise(value: Any) -> bool:
-    """State that has one entry per element (goes to disk); the rest is one number per piece."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 PieceKey = tuple[int, int]  # (flat group index, piece index)

@@ -40,8 +40,9 @@ import torch.distributed as dist
 from .. import kernels
 from ..config import ZeroConfig
 from .collectives import Collectives, wait_all
-from .flat import FlatGroup, ResidentGroup
+from .flat import FlatGroup
 from .gradients import make_reducer
+from .layout import Piece
 from .offload import HOST, DiskState, DiskStepper, host_optimizer_kwargs, plan_tiles, wait_for_copies
 from .parameters import ParameterSharder
 from .scaler import LossScaler
@@ -88,11 +89,43 @@ def _constructor_kwargs(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any
     return {k: v for k, v in defaults.items() if k in params}
 
 
-def _split_by_dtype_and_device(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    runs: dict[tuple, list] = {}
-    for p in params:
-        runs.setdefault((p.dtype, p.device), []).append(p)
-    return list(runs.values())
+def _check_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter in one param group once, and only floating-point ones trainable."""
+    seen: set[int] = set()
+    for gi, user_group in enumerate(optimizer.param_groups):
+        for p in user_group["params"]:
+            if id(p) in seen:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} appears twice in the optimizer's param groups "
+                    f"(again in group {gi}); list each parameter once."
+                )
+            seen.add(id(p))
+            if p.requires_grad and not p.dtype.is_floating_point:
+                raise ValueError(f"trainable parameters of dtype {p.dtype} in param group {gi}: only floating-point "
+                                 "parameters can be trained; set requires_grad=False on them.")
+
+
+def _check_same_config(mine: ZeroConfig, sharders: ZeroConfig) -> None:
+    """The optimizer steps the sharder's groups: they must agree on what those hold."""
+    fields = ("stage", "bucket_cap_mb", "master_weights", "offload_optimizer", "offload_params")
+    differ = [f"{f}={getattr(mine, f)!r} here, {getattr(sharders, f)!r} in the sharder's"
+              for f in fields if getattr(mine, f) != getattr(sharders, f)]
+    if differ:
+        raise ValueError(f"the ZeroOptimizer's config and the sharder's disagree: {'; '.join(differ)}. Build both with "
+                         "the same ZeroConfig (shard_module(model, config), ZeroOptimizer(opt, config, sharder=...)).")
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    """One piece a ZeroOptimizer steps (see [Note: pieces] in layout.py)."""
+
+    group_index: int  # into ZeroOptimizer.groups
+    group: FlatGroup
+    index: int  # into group.pieces
+    piece: Piece
+    tensor: torch.Tensor  # what the inner optimizer updates: the master, or the working weights
+    param: torch.nn.Parameter
+    param_group: int  # the user's param group
 
 
 @dataclass
@@ -112,52 +145,48 @@ class _StepState:
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """ZeRO stage 1/2 wrapper around a torch optimizer, usable in a plain torch.distributed loop.
+    """A torch optimizer re-created over this rank's pieces (stages 1-3), usable in a plain
+    torch.distributed loop.
 
     Parameters must hold the same values on every rank when this is constructed (same seed, or a
-    broadcast), as for DDP. After construction the trainable parameters are views of flat buffers;
-    call ``backward`` as usual, then ``step()`` and ``zero_grad()`` on this object.
+    broadcast), as for DDP. After construction the trainable parameters are views of flat buffers
+    (``sharder``'s: see [Note: one owner of the flat groups]); call ``backward`` as usual, then
+    ``step()`` and ``zero_grad()`` on this object. ``pieces()`` lists what it steps.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
-                 comm: Optional[Collectives] = None,
-                 param_order: Optional[Mapping[torch.nn.Parameter, int]] = None,
-                 sharder: Optional[ParameterSharder] = None, scaler: Optional[LossScaler] = None) -> None:
-        config = config or ZeroConfig()
+                 comm: Optional[Collectives] = None, sharder: Optional[ParameterSharder] = None,
+                 scaler: Optional[LossScaler] = None) -> None:
+        config = config or (sharder.config if sharder is not None else ZeroConfig())
         check_optimizer_supported(optimizer, config)
+        _check_parameters(optimizer)
+        if sharder is None:  # a plain loop: the owner of the flat groups is built over these parameters
+            if config.stage == 3:
+                raise ValueError("ZeRO stage 3 shards the module's parameters before the optimizer sees them: build "
+                                 "sharder = shard_module(model, config) first and pass ZeroOptimizer(..., "
+                                 "sharder=sharder).")
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            sharder = ParameterSharder(params, config, comm or Collectives(collective_timeout=config.collective_timeout))
+        _check_same_config(config, sharder.config)
         self.config = config
         self.optim = optimizer
-        self.comm = comm or Collectives(collective_timeout=config.collective_timeout)
-        trainable = self._trainable(optimizer)
-        if config.stage == 3:
-            self.groups = self._groups_of(sharder, trainable)
-        else:
-            self.groups = [ResidentGroup(ps, self.comm.world_size, self.comm.rank,
-                                         bucket_numel=config.bucket_numel(ps[0].element_size()),
-                                         master_dtype=config.master_dtype, offload_master=config.offload_optimizer)
-                           for ps in trainable]
+        self.sharder = sharder
+        self.comm = sharder.comm
+        self.groups = sharder.groups_of(optimizer)  # see [Note: one owner of the flat groups]
         self._device = self.groups[0].device if self.groups else torch.device("cpu")  # where collectives run
-        if param_order is None and sharder is not None:  # the module's order: see [Note: launch order]
-            param_order = {p: i for i, p in enumerate(sharder.module.parameters())}
-        if param_order is not None:
-            param_order = {p: param_order.get(p, len(param_order)) for g in self.groups for p in g.params}
         self.offloaded = config.offload_optimizer
-        self._check_offloaded()
         host_dtypes = [g.master_shard.dtype for g in self.groups if g.master_shard is not None] if self.offloaded else None
-        if param_order is None:
-            param_order = {p: i for i, p in enumerate(p for g in self.groups for p in g.params)}
-        self.reducer = make_reducer(self.groups, config.stage, self.comm, param_order, listener=sharder,
-                                    host_dtypes=host_dtypes)
+        self.reducer = make_reducer(self.groups, config.stage, self.comm, sharder.position,
+                                    listener=sharder if config.stage == 3 else None, host_dtypes=host_dtypes)
         user_group_of = {p: gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         inner_groups = [{**user_group, "params": []} for user_group in optimizer.param_groups]
         self._pieces = []  # the inner optimizer's tensor for each piece of each group
-        self._user_group: list[list[Optional[int]]] = []  # the param group of each piece (None: not ours)
+        self._user_group: list[list[int]] = []  # the param group of each piece
         for g in self.groups:
             self._pieces.append([g.stepped(piece) for piece in g.pieces])
-            self._user_group.append([user_group_of.get(g.params[piece.param]) for piece in g.pieces])
+            self._user_group.append([user_group_of[g.params[piece.param]] for piece in g.pieces])
             for t, gi in zip(self._pieces[-1], self._user_group[-1]):
-                if gi is not None:  # at stage 3 a unit may hold parameters of another optimizer
-                    inner_groups[gi]["params"].append(t)
+                inner_groups[gi]["params"].append(t)
         kwargs = _constructor_kwargs(type(optimizer), optimizer.defaults)
         if self.offloaded:  # see [Note: offloaded step]
             kwargs = host_optimizer_kwargs(type(optimizer), kwargs)
@@ -171,15 +200,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._tiles, self._disk = self._plan_offload(config, type(optimizer), kwargs)
         if type(self) is ZeroOptimizer:
             self.__class__ = _named_like(type(optimizer))
-
-    def _check_offloaded(self) -> None:
-        """Stage 3: the sharder's groups must keep their masters where this optimizer steps them."""
-        bad = [g for g in self.groups if g.offload_master != self.offloaded]
-        if bad:
-            where = "on the device" if self.offloaded else "in host memory"
-            raise ValueError(f"offload_optimizer={self.offloaded}, but the sharder keeps the master weights of "
-                             f"{len(bad)} flat groups {where}: build the sharder with the same ZeroConfig "
-                             "(shard_module(model, config)) as the ZeroOptimizer.")
 
     def _for_host(self, group: dict[str, Any]) -> dict[str, Any]:
         """A param group's settings with the host step's kernel choice (fused or foreach)."""
@@ -197,41 +217,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         disk = DiskState(config.offload_dir, self.comm.rank, [g.layout.shard_numel for g in self.groups])
         return [], DiskStepper(disk, plan_tiles(ranges, tile_numel, split_pieces=True), cls, kwargs)
 
-    def _trainable(self, optimizer: torch.optim.Optimizer) -> list[list[torch.nn.Parameter]]:
-        """Trainable parameters by param group, dtype and device; every check passes before any moves."""
-        runs = []
-        seen: set[int] = set()
-        for gi, user_group in enumerate(optimizer.param_groups):
-            trainable = []
-            for p in user_group["params"]:
-                if id(p) in seen:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(p.shape)} appears twice in the optimizer's param groups "
-                        f"(again in group {gi}); list each parameter once."
-                    )
-                seen.add(id(p))
-                if p.requires_grad:
-                    trainable.append(p)
-            for params in _split_by_dtype_and_device(trainable):
-                if not params[0].dtype.is_floating_point:
-                    raise ValueError(f"trainable parameters of dtype {params[0].dtype} in param group {gi}: only "
-                                     "floating-point parameters can be trained; set requires_grad=False on them.")
-                runs.append(params)
-        return runs
-
-    def _groups_of(self, sharder: Optional[ParameterSharder], trainable: list[list[torch.nn.Parameter]]) -> list[FlatGroup]:
-        """Stage 3: the sharder's trainable flat groups that hold this optimizer's parameters."""
-        if sharder is None:
-            raise ValueError("ZeRO stage 3 shards the module's parameters before the optimizer sees them: build "
-                             "sharder = ParameterSharder(model, ...) first and pass ZeroOptimizer(..., sharder=sharder).")
-        mine = {p for params in trainable for p in params}
-        groups = [g for g in sharder.groups if any(p in mine for p in g.params)]
-        held = {p for g in groups for p in g.params}
-        missing = [tuple(p.shape) for p in mine if p not in held]
-        if missing:
-            raise ValueError(f"{len(missing)} optimizer parameters (shapes {missing[:3]}...) are not parameters of the "
-                             "sharded module; optimize only the module's own parameters.")
-        return groups
+    def pieces(self) -> Iterator[PieceRef]:
+        """Every piece this rank steps, with the tensor the inner optimizer updates for it (its state
+        is ``self.inner.state.get(ref.tensor, {})``; see ``materialized_state`` with disk offload)."""
+        for gi, (g, tensors, user_groups) in enumerate(zip(self.groups, self._pieces, self._user_group)):
+            for pi, (piece, tensor, user_group) in enumerate(zip(g.pieces, tensors, user_groups)):
+                yield PieceRef(gi, g, pi, piece, tensor, g.params[piece.param], user_group)
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -333,7 +324,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
             def settings_of(gi: int, pi: int):
                 index = self._user_group[gi][pi]
-                return None if index is None else (index, settings[index])
+                return index, settings[index]
 
             offsets = [[p.shard_offset for p in g.pieces] for g in self.groups]
             self._disk.step(self._pieces, offsets, grad_of, self.inner.state, settings_of, written)

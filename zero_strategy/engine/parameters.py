@@ -23,6 +23,12 @@ modules' hooks, in the order the model runs them, with prefetch and the order gu
   guesses, and the collectives they issue, agree across ranks; the order guard checks it (see
   [Note: order guard] in order_guard.py).
 
+[Note: one owner of the flat groups]
+ParameterSharder builds every flat group of a model, at every stage (all resident at stages 1 and
+2); a ZeroOptimizer only maps the pieces of the groups holding its parameters (``groups_of``) to its
+param groups, and checkpoints, memory accounting and gathered_parameters read the same groups. A
+plain loop's ZeroOptimizer without a sharder builds one over its own parameters (stages 1-2).
+
 [Note: init-time sharding]
 A model built on the meta device (ZeroStrategy's ``model_sharded_context``, around Lightning's
 ``configure_model``) never exists whole: units are materialised one at a time, in unit order, by
@@ -95,7 +101,14 @@ def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], de
 
 
 class ParameterSharder:
-    """Shards ``module``'s parameters over the ranks of ``comm`` and gathers them around their use.
+    """The one owner of a model's flat groups, at every stage (see [Note: one owner of the flat groups]).
+
+    At stages 1 and 2 every trainable parameter goes into a resident group, whole on every rank,
+    cut into bucket-sized segments; frozen ones stay as they are. At stage 3 the parameters are
+    sharded into units, gathered around their modules' use (see [Note: units]); ``module`` must
+    then be a module, while at stages 1 and 2 it may be a list of parameters (a plain loop's
+    optimizer's). ``optimizers`` (built before, when there are several) split the groups so each
+    optimizer steps and reduces its own.
 
     ``config.offload_params`` keeps every sharded group's shard in host memory (pinned on CUDA): a
     unit's gather copies it to the device just before the all-gather, and the full buffer is the only
@@ -103,29 +116,37 @@ class ParameterSharder:
     shards in host memory (see [Note: offloaded groups] in flat.py).
     """
 
-    def __init__(self, module: nn.Module, config: ZeroConfig, comm: Collectives,
+    def __init__(self, module: Union[nn.Module, Iterable[nn.Parameter]], config: ZeroConfig, comm: Collectives,
                  device: Optional[torch.device] = None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
-        self.module = module
+        self.module = module if isinstance(module, nn.Module) else None
         self.config = config
         self.comm = comm
         self._device = device
         self._optimizer_of = {p: i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
+        params = list(dict.fromkeys(module.parameters() if self.module is not None else module))
+        self.position = {p: i for i, p in enumerate(params)}  # the model's order: see [Note: launch order]
+        if not any(p.requires_grad for p in params):
+            what = type(module).__name__ if self.module is not None else "the optimizer's parameter list"
+            raise ValueError(f"{what} has no trainable parameter (every requires_grad is False), so there is nothing "
+                             "to train; unfreeze some parameters (requires_grad_(True)).")
         self._owners: dict[nn.Parameter, list[nn.Module]] = {}
-        for mod in module.modules():
+        for mod in (self.module.modules() if self.module is not None else ()):
             for p in mod.parameters(recurse=False):
                 self._owners.setdefault(p, []).append(mod)
-        if not any(p.requires_grad for p in self._owners):
-            raise ValueError(f"{type(module).__name__} has no trainable parameter (every requires_grad is False), so "
-                             "there is nothing to train; unfreeze some parameters (requires_grad_(True)).")
-        element_size = next(iter(self._owners)).element_size() if self._owners else 4
-        self.plan: UnitPlan = plan_units(module, config.shard_modules, config.param_persistence_threshold,
-                                         config.bucket_numel(element_size), config.unit_params)
-        self._agree_on_plan()
+        if config.stage == 3:
+            if self.module is None:
+                raise ValueError("ZeRO stage 3 gathers parameters around their modules' forward: give shard_module "
+                                 "the module, not a list of parameters.")
+            self.plan: UnitPlan = plan_units(self.module, config.shard_modules, config.param_persistence_threshold,
+                                             config.bucket_numel(params[0].element_size()), config.unit_params)
+            self._agree_on_plan()
+        else:  # stages 1-2: the trainable parameters, whole on every rank
+            self.plan = UnitPlan((), (), tuple(p for p in params if p.requires_grad), None)
         self.units = [Unit(i, u.name, self._flatten(list(u.params), resident=False), u.modules)
                       for i, u in enumerate(self.plan.units)]
         self.root = Unit(len(self.units), "<root>", self._flatten(list(self.plan.root), resident=False), ())
         self.resident = self._flatten(list(self.plan.resident), resident=True)
-        meta = [n for n, b in module.named_buffers() if b.is_meta]
+        meta = [n for n, b in self.module.named_buffers() if b.is_meta] if self.module is not None else []
         if meta:
             raise ValueError(f"buffers {meta[:5]} are still on the meta device after sharding: build modules that "
                              "hold buffers but no parameters in __init__, not in configure_model.")
@@ -134,7 +155,7 @@ class ParameterSharder:
         self.full_numel = {p: n for g in self.groups for p, n in zip(g.params, g.layout.numels)}
         guard_device = self._device or (self.groups[0].device if self.groups else torch.device("cpu"))
         self.guard = OrderGuard(comm, [u.name for u in self.all_units], guard_device)
-        self.guard.enabled &= config.check_unit_order
+        self.guard.enabled &= config.check_unit_order and config.stage == 3
         self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
         self._prev_of: dict[Unit, Unit] = {}
         self._last: Optional[Unit] = None  # the unit entered last in this forward pass
@@ -142,16 +163,35 @@ class ParameterSharder:
         self._in_pass = False  # between _begin_pass and _end_pass
         self._reduced: set[int] = set()  # ids of groups whose gradients were handed over in this backward
         self._handles = []
-        for unit in self.units:
-            for mod in unit.modules:
-                self._handles.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
-                self._handles.append(mod.register_forward_hook(functools.partial(self._post_forward, unit)))
-        self._handles.append(module.register_forward_pre_hook(self._pre_forward_root))
-        self._handles.append(module.register_forward_hook(self._post_forward_root))
-        for unit in self.all_units:
-            for g in unit.groups:
-                for p in g.params:
-                    p._zero_sharder = self  # for gathered_parameters()
+        if config.stage == 3:
+            assert self.module is not None
+            for unit in self.units:
+                for mod in unit.modules:
+                    self._handles.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
+                    self._handles.append(mod.register_forward_hook(functools.partial(self._post_forward, unit)))
+            self._handles.append(self.module.register_forward_pre_hook(self._pre_forward_root))
+            self._handles.append(self.module.register_forward_hook(self._post_forward_root))
+            for unit in self.all_units:
+                for g in unit.groups:
+                    for p in g.params:
+                        p._zero_sharder = self  # for gathered_parameters()
+
+    def groups_of(self, optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
+        """The trainable flat groups holding ``optimizer``'s parameters (which it steps and reduces)."""
+        mine = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        groups = [g for g in self.groups if g.params[0].requires_grad and any(p in mine for p in g.params)]
+        held = {p for g in groups for p in g.params}
+        missing = [tuple(p.shape) for p in mine if p not in held]
+        if missing:
+            raise ValueError(f"{len(missing)} optimizer parameters (shapes {missing[:3]}...) are not parameters the "
+                             "sharder holds: optimize only the sharded module's own parameters, and build the "
+                             "optimizer before shard_module(module, config, optimizers=[...]).")
+        others = [p for g in groups for p in g.params if p not in mine]
+        if others:
+            raise ValueError(f"{len(others)} parameters share flat groups with this optimizer's but belong to another: "
+                             "pass every optimizer to shard_module(module, config, optimizers=[...]) so that each "
+                             "gets groups of its own.")
+        return groups
 
     def _agree_on_plan(self) -> None:
         """Every rank must cut the same units, or their all-gathers would not pair up."""
@@ -175,13 +215,19 @@ class ParameterSharder:
         groups: list[FlatGroup] = []
         for ps in _split(params, self._optimizer_of):
             trainable = ps[0].requires_grad
-            common = dict(broadcast_from=self.comm, master_dtype=config.master_dtype if trainable else None,
+            # stage 3 builds units from rank 0's values (and materialises meta ones); stages 1-2 take the
+            # parameters as they are (equal on every rank, as for DDP)
+            common = dict(broadcast_from=self.comm if config.stage == 3 else None,
+                          master_dtype=config.master_dtype if trainable else None,
                           offload_master=config.offload_optimizer and trainable)
-            if resident:
+            bucket = config.bucket_numel(ps[0].element_size())
+            if resident and config.stage == 3:  # small parameters: one segment
                 groups.append(ResidentGroup(ps, n, r, **common))
+            elif resident:
+                groups.append(ResidentGroup(ps, n, r, bucket_numel=bucket, **common))
             else:  # cut into buckets too, so a big unit (the root) is reduced in pieces
-                groups.append(ShardedGroup(ps, n, r, bucket_numel=config.bucket_numel(ps[0].element_size()),
-                                           offload_shard=config.offload_params, **common))
+                groups.append(ShardedGroup(ps, n, r, bucket_numel=bucket, offload_shard=config.offload_params,
+                                           **common))
         return groups
 
     @property

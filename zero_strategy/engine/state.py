@@ -16,10 +16,26 @@ import torch.distributed as dist
 _ELEMENTWISE = "elementwise"  # a tensor shaped like the piece: sharded, gathered on save
 
 
+def is_elementwise(value: Any) -> bool:
+    """Optimizer state with one entry per element of its parameter (Adam's moments): sharded like
+    the parameter, gathered on save, offloaded to disk. The rest (the step count) is one number per
+    parameter, the same in each of its pieces. ``value`` may also be state still on disk (an object
+    with ``read_range`` and ``dim()``: see ``_piece_of``)."""
+    return (isinstance(value, torch.Tensor) or hasattr(value, "read_range")) and value.dim() > 0
+
+
 def _kind(value: Any) -> tuple[str, str]:
     if isinstance(value, torch.Tensor):
-        return (_ELEMENTWISE if value.dim() > 0 else "tensor", str(value.dtype).removeprefix("torch."))
+        return (_ELEMENTWISE if is_elementwise(value) else "tensor", str(value.dtype).removeprefix("torch."))
     return (type(value).__name__, "")
+
+
+def by_group(zopt) -> list[tuple[Any, list]]:
+    """``zopt.pieces()`` by flat group: (group, its pieces' refs), every group, in order."""
+    refs: list[list] = [[] for _ in zopt.groups]
+    for ref in zopt.pieces():
+        refs[ref.group_index].append(ref)
+    return list(zip(zopt.groups, refs))
 
 
 def _agree_on_kinds(zopt, local: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
@@ -44,36 +60,35 @@ def consolidate_state(zopt) -> dict[str, Any]:
     index = _param_index(zopt)
     state: dict[int, dict[str, Any]] = {}
     inner_state = zopt.inner.state
-    for g, tensors in zip(zopt.groups, zopt._pieces):
-        kinds = {k: _kind(v) for t in tensors for k, v in inner_state.get(t, {}).items()}
+    for g, refs in by_group(zopt):
+        kinds = {k: _kind(v) for ref in refs for k, v in inner_state.get(ref.tensor, {}).items()}
         kinds = _agree_on_kinds(zopt, kinds)
         if not kinds:
             continue
         device = g.device
         has_state = torch.zeros(len(g.params), dtype=torch.uint8, device=device)
-        for piece, t in zip(g.pieces, tensors):
-            if t in inner_state:
-                has_state[piece.param] = 1
-        zopt.comm.all_reduce(has_state, op=dist.ReduceOp.MAX)
+        for ref in refs:
+            if ref.tensor in inner_state:
+                has_state[ref.piece.param] = 1
+        zopt.comm.all_reduce(has_state, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters have state")
         with_state = [i for i, flag in enumerate(has_state.tolist()) if flag]
-        with_state = [i for i in with_state if g.params[i] in index]  # in this optimizer
         for i in with_state:
             state[index[g.params[i]]] = {}
         for key, (kind, dtype) in kinds.items():
             if kind == _ELEMENTWISE:
                 shard = torch.zeros(g.layout.shard_numel, dtype=getattr(torch, dtype), device=device)
-                for piece, t in zip(g.pieces, tensors):
-                    if key in inner_state.get(t, {}):
-                        g.shard_slice(shard, piece).copy_(inner_state[t][key])
-                gathered = zopt.comm.all_gather_shards(shard)  # (world_size, shard_numel)
+                for ref in refs:
+                    if key in inner_state.get(ref.tensor, {}):
+                        g.shard_slice(shard, ref.piece).copy_(inner_state[ref.tensor][key])
+                gathered = zopt.comm.all_gather_shards(shard, lambda: f"all-gather of optimizer state {key!r}")  # (N, shard)
                 for i in with_state:
                     state[index[g.params[i]]][key] = _full_param(g, gathered, i).cpu()
             else:  # one number per parameter, the same in every piece of it
                 values = torch.full((len(g.params),), float("-inf"), dtype=torch.float64, device=device)
-                for piece, t in zip(g.pieces, tensors):
-                    if key in inner_state.get(t, {}):
-                        values[piece.param] = float(inner_state[t][key])
-                zopt.comm.all_reduce(values, op=dist.ReduceOp.MAX)
+                for ref in refs:
+                    if key in inner_state.get(ref.tensor, {}):
+                        values[ref.piece.param] = float(inner_state[ref.tensor][key])
+                zopt.comm.all_reduce(values, op=dist.ReduceOp.MAX, what=lambda: f"all-reduce of optimizer state {key!r}")
                 for i in with_state:
                     state[index[g.params[i]]][key] = _number(values[i].item(), kind, dtype)
     return {"state": state, "param_groups": _param_groups_out(zopt, index)}
@@ -91,10 +106,6 @@ def _number(value: float, kind: str, dtype: str) -> Any:
     if kind == "tensor":
         return torch.tensor(value, dtype=getattr(torch, dtype))
     return int(value) if kind == "int" else value
-
-
-def _is_elementwise(value: Any) -> bool:
-    return (isinstance(value, torch.Tensor) or hasattr(value, "read_range")) and value.dim() > 0
 
 
 def _piece_of(value: Any, start: int, end: int) -> torch.Tensor:
@@ -128,24 +139,21 @@ def shard_state(zopt, state_dict: dict[str, Any]) -> None:
 
     inner_state: dict[int, dict[str, Any]] = {}
     inner_index = {t: j for j, t in enumerate(t for g in zopt.inner.param_groups for t in g["params"])}
-    for g, tensors in zip(zopt.groups, zopt._pieces):
-        for piece, t in zip(g.pieces, tensors):
-            p, shape = g.params[piece.param], g.shapes[piece.param]
-            if p not in saved_id:  # in a flat group but not in this optimizer
-                continue
-            entry = saved_state.get(saved_id[p])
-            if entry is None:
-                continue
-            out = {}
-            for key, value in entry.items():
-                if _is_elementwise(value):
-                    if value.numel() != shape.numel():
-                        raise ValueError(f"optimizer state {key!r} of parameter {saved_id[p]} has shape "
-                                         f"{tuple(value.shape)}, the parameter has {tuple(shape)}: "
-                                         "the checkpoint is for a different model.")
-                    value = _piece_of(value, piece.param_start, piece.param_end)
-                out[key] = value
-            inner_state[inner_index[t]] = out
+    for ref in zopt.pieces():
+        entry = saved_state.get(saved_id[ref.param])
+        if entry is None:
+            continue
+        shape = ref.group.shapes[ref.piece.param]
+        out = {}
+        for key, value in entry.items():
+            if is_elementwise(value):
+                if value.numel() != shape.numel():
+                    raise ValueError(f"optimizer state {key!r} of parameter {saved_id[ref.param]} has shape "
+                                     f"{tuple(value.shape)}, the parameter has {tuple(shape)}: "
+                                     "the checkpoint is for a different model.")
+                value = _piece_of(value, ref.piece.param_start, ref.piece.param_end)
+            out[key] = value
+        inner_state[inner_index[ref.tensor]] = out
     inner_groups = [{**saved, "params": [inner_index[t] for t in g["params"]]}
                     for saved, g in zip(saved_groups, zopt.inner.param_groups)]
     zopt.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
