@@ -32,9 +32,6 @@ from .deepspeed.config import (DeepSpeedConfigError, DeepSpeedSettings, check_ag
 
 log = logging.getLogger(__name__)
 
-DEEPSPEED_DEFAULT_CLIPPING = 1.0
-"""DeepSpeed clips the gradient norm at 1.0 when a config has no "gradient_clipping"."""
-
 DeepSpeedConfig = Union[Mapping[str, Any], str, os.PathLike]
 
 
@@ -73,8 +70,8 @@ def apply_to_trainer(settings: DeepSpeedSettings, trainer: "pl.Trainer", world_s
                                       settings.gradient_accumulation_steps, world_size)
     if steps is not None:
         trainer.accumulate_grad_batches = steps
-    if not trainer.gradient_clip_val:
-        clip = settings.gradient_clipping if settings.gradient_clipping is not None else DEEPSPEED_DEFAULT_CLIPPING
+    clip = settings.clipping(trainer.gradient_clip_val) or None  # the config's, the Trainer's, or DeepSpeed's 1.0
+    if clip != trainer.gradient_clip_val:
         trainer.gradient_clip_val = clip
         trainer.gradient_clip_algorithm = GradClipAlgorithmType.NORM
     if trainer.global_rank == 0:

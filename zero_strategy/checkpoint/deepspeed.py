@@ -102,6 +102,7 @@ def read_deepspeed_checkpoint(path: Any, tag: Optional[str] = None) -> dict[str,
         "global_steps": model.get("global_steps"), "global_samples": model.get("global_samples"),
         "skipped_steps": model.get("skipped_steps"), "param_names": [list(g.names) for g in groups],
         "lr_scheduler": model.get("lr_scheduler"), "loss_scaler": scaler, "config": model.get("ds_config"),
+        "client_keys": sorted(client),  # what the saver's client_state held
     }
     _lightning_defaults(checkpoint, model)
     if checkpoint["deepspeed"]["dtype"] == "float16" and isinstance(scaler, dict):

@@ -1,5 +1,23 @@
-"""What DeepSpeed users bring along: their JSON configs (``config.py``, ``schedulers.py``).
+"""What DeepSpeed users bring along: their JSON configs (``config.py``, with ``keys.py``,
+``optimizers.py`` and ``schedulers.py``), their training loop (``engine.py``: ``initialize``, with
+``launch.py``: ``init_distributed``) and their checkpoints (``engine_checkpoint.py``, and
+zero_strategy/checkpoint/deepspeed.py).
 
-Nothing is imported here, so ``import zero_strategy.deepspeed`` costs nothing; import the
-modules themselves, e.g. ``from zero_strategy.deepspeed.config import map_deepspeed_config``.
+Importing this package costs nothing: ``initialize`` and ``init_distributed`` are loaded on first
+use, so ``import zero_strategy.deepspeed as deepspeed`` gives ``deepspeed.initialize(...)``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {"initialize": "engine", "ZeroEngine": "engine", "init_distributed": "launch"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
