@@ -1,16 +1,60 @@
-"""Run a function on N gloo processes and collect what each returns."""
+"""Run a function on N gloo processes and collect what each returns.
+
+[Note: the worker pool]
+Starting a process that imports torch, Lightning and this package and joins a gloo group costs
+seconds, far more than the ten steps of a tiny model that an engine test runs in it. So
+``run_distributed`` keeps one pool of long-lived workers per world size, started on first use and
+closed at the end of the session (tests/conftest.py, and atexit), and runs each call on it. A call
+must behave as it would on fresh processes:
+- before every call each worker puts back what a fresh process has (``_FreshState``): RNG seeds,
+  default dtype and device, grad and anomaly mode, deterministic flags, global module and optimizer
+  hooks, the kernel backend switch, CUDA's cached memory and peak, and the parent's current
+  environment and working directory; the previous call's objects are dropped and collected;
+- the gloo group is kept; after a call every rank checks it with one all_reduce, and a group found
+  unusable (or destroyed by the call) means a new pool for the next call;
+- a rank that raises reports its traceback and exits, as a fresh process would, so a peer waiting
+  for it in a collective fails at once with its own traceback; a rank that has not answered
+  ``GRACE_S`` after another failed, or by the call's deadline, has its stack dumped and the pool is
+  killed; the next call starts a new one.
+What a pool cannot undo is process-wide state fixed at start-up (variables read when a process
+starts, such as ``MALLOC_*``, or a measured peak resident set): such tests pass ``fresh=True``.
+"""
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
+import gc
 import io
 import os
+import pickle
+import queue
+import random
+import shutil
+import signal
 import socket
+import sys
+import tempfile
+import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Optional
 
 import torch
-
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
+
+DEFAULT_CALL_TIMEOUT_S = 100.0  # outside pytest; inside, the test's own timeout less a margin (conftest.py)
+TIMEOUT_ENV = "ZERO_TEST_CALL_TIMEOUT"  # seconds; overrides both, for slow or loaded machines
+GRACE_S = 10.0  # after one rank fails, how long the others get to report (a peer's collective errors at once)
+STACK_SIGNAL = signal.SIGUSR2  # not Lightning's SLURM requeue signal (SIGUSR1)
+_HOOK_DICTS = [getattr(module_hooks, name) for name in dir(module_hooks) if name.startswith("_global_")
+               and isinstance(getattr(module_hooks, name), dict)] + [
+    optimizer_hooks._global_optimizer_pre_hooks, optimizer_hooks._global_optimizer_post_hooks]
+
+test_deadline: Optional[float] = None  # time.monotonic() by which the running test must end; set by conftest.py
 
 
 def free_port() -> int:
@@ -19,37 +63,297 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+# ---- the worker side ---------------------------------------------------------------------------
+
+
+class _FreshState:
+    """What a fresh worker process has, captured after it joined the group, put back before each call."""
+
+    def __init__(self) -> None:
+        self.dtype = torch.get_default_dtype()
+        self.device = torch.get_default_device()
+        self.grad = torch.is_grad_enabled()
+        self.anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
+        self.cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+        self.matmul_precision = torch.get_float32_matmul_precision()
+        self.hooks = [dict(d) for d in _HOOK_DICTS]
+
+    def restore(self, env: dict[str, str], cwd: str) -> None:
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        # a fresh process seeds torch, random and numpy from the OS: a call never inherits a sequence
+        torch.seed()
+        if torch.cuda.is_initialized():
+            torch.cuda.seed_all()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # memory readings start as in a fresh process: nothing cached...
+            torch.cuda.reset_peak_memory_stats()  # ...and no earlier call's peak
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        torch.set_default_dtype(self.dtype)
+        if torch.get_default_device() != self.device:
+            torch.set_default_device(None if self.device.type == "cpu" else self.device)
+        torch.set_grad_enabled(self.grad)
+        torch.set_anomaly_enabled(*self.anomaly)
+        torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self.cudnn
+        torch.set_float32_matmul_precision(self.matmul_precision)
+        torch.set_num_threads(1)  # two ranks on two cores: more threads only contend (Lightning may change it)
+        for hooks, fresh in zip(_HOOK_DICTS, self.hooks):
+            hooks.clear()
+            hooks.update(fresh)
+        loader = sys.modules.get("zero_strategy.kernels.loader")
+        if loader is not None:
+            loader.set_backend(None)  # back to $ZERO_STRATEGY_KERNELS, as at import
+
+
+def _group_usable(call_id: int, world_size: int) -> bool:
+    """Every rank is done with this call and the default group still carries a collective."""
+    if not dist.is_initialized():
+        return False
     try:
-        torch.set_num_threads(1)  # two ranks on two cores: more threads only contend
+        total = torch.tensor([float(call_id)])
+        dist.all_reduce(total)
+        return total.item() == call_id * world_size
+    except Exception:  # noqa: BLE001 - a broken group is reported as such; the pool is replaced
+        return False
+
+
+def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: str) -> None:
+    """A worker: join the group, then run calls until told to stop (None) or a call raises.
+
+    Each call sends two reports: ("result", call, rank, bytes, traceback), then, once every rank
+    has checked the group with one all_reduce, ("group", call, rank, usable, None).
+    """
+    dist_env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(dist_env)
+    stacks = open(stack_path, "w")  # noqa: SIM115 - faulthandler writes here until the process ends
+    try:
+        torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = io.BytesIO()  # tensors pickled through a queue would point into a dead process
-        torch.save(fn(rank, world_size, *args), result)
-        queue.put((rank, result.getvalue(), None))
+        fresh = _FreshState()
     except BaseException:  # noqa: BLE001 - shipped to the parent, which re-raises
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        reports.put(("result", 0, rank, None, traceback.format_exc()))
+        return
+    while (task := tasks.get()) is not None:
+        call_id, payload, env, cwd, check_group = task
+        stacks.seek(0)
+        stacks.truncate()
+        faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
+        try:
+            fresh.restore({**env, **dist_env}, cwd)
+            fn, args = pickle.loads(payload)
+            result = io.BytesIO()  # tensors pickled through a queue would point into this process
+            torch.save(fn(rank, world_size, *args), result)
+            del fn, args
+        except BaseException:  # noqa: BLE001 - shipped to the parent, which re-raises
+            reports.put(("result", call_id, rank, None, traceback.format_exc()))
+            break  # end as a fresh process would, so that peers waiting for this rank fail now
+        reports.put(("result", call_id, rank, result.getvalue(), None))
+        del result
+        gc.collect()  # the next call must not find this one's objects (or their hooks) alive
+        gc.freeze()  # what survived stays: later collections scan only the new objects (0.15 s -> ms)
+        if check_group:
+            usable = _group_usable(call_id, world_size)
+            reports.put(("group", call_id, rank, usable, None))
+            if not usable:
+                break
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int = 2, *args):
-    """``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the results by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results, errors = {}, []
-    for _ in procs:
-        rank, value, error = queue.get()
-        results[rank] = None if value is None else torch.load(io.BytesIO(value), weights_only=True)
-        if error:
-            errors.append(f"rank {rank}:\n{error}")
-    for p in procs:
-        p.join()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+# ---- the parent side ---------------------------------------------------------------------------
+
+
+class _Pool:
+    """``world_size`` worker processes in one gloo group, running one call at a time."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.usable = True  # False once a call failed or left the group broken: replace the pool
+        self.calls = 0
+        self.reports = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.folder = tempfile.mkdtemp(prefix="zero-test-workers-")
+        port = free_port()
+        self.procs = [ctx.Process(target=_serve, daemon=True, name=f"zero-test-rank{r}",
+                                  args=(r, world_size, port, self.tasks[r], self.reports, self._stack_path(r)))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self.folder, f"stack_rank{rank}.txt")
+
+    def run(self, fn: Callable, args: tuple, deadline: float, check_group: bool) -> list:
+        self.calls += 1
+        call_id = self.calls
+        payload = ForkingPickler.dumps((fn, args))  # here, so an unpicklable fn fails in the caller
+        task = (call_id, bytes(payload), dict(os.environ), os.getcwd(), check_group)
+        for q in self.tasks:
+            q.put(task)
+        results: dict[int, tuple] = {}  # rank -> (torch.save bytes, traceback)
+        groups: dict[int, bool] = {}  # rank -> found the group usable after the call
+        missing_because = self._collect(call_id, deadline, results, groups)
+        failed = sorted(r for r, (_, error) in results.items() if error is not None)
+        if failed or missing_because:
+            self.usable = False
+            raise RuntimeError("\n".join(
+                [f"rank {r}:\n{results[r][1]}" for r in failed]
+                + [f"rank {r}: no answer {missing_because}. Its stack then:\n{self._stack(r)}"
+                   for r in range(self.world_size) if r not in results]))
+        if check_group:  # the results are good whatever this finds; a broken group only means a new pool
+            end = time.monotonic() + GRACE_S
+            while len(groups) < self.world_size and time.monotonic() < end:
+                self._receive(call_id, end - time.monotonic(), results, groups)
+            self.usable = len(groups) == self.world_size and all(groups.values())
+        return [torch.load(io.BytesIO(results[r][0]), weights_only=True) for r in range(self.world_size)]
+
+    def _receive(self, call_id: int, timeout: float, results: dict, groups: dict) -> bool:
+        """File the next report of this call (or of start-up, call 0); False if none came in ``timeout``."""
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                kind, report_call, rank, value, error = self.reports.get(timeout=left)
+            except queue.Empty:
+                return False
+            if report_call in (0, call_id):
+                if kind == "result":
+                    results[rank] = (value, error)
+                else:  # "group": may overtake a peer's result, each rank's queue writer runs on its own
+                    groups[rank] = value
+                return True
+        return False
+
+    def _collect(self, call_id: int, deadline: float, results: dict, groups: dict) -> Optional[str]:
+        """Wait for every rank's result; if some cannot come, say why."""
+        budget = deadline - time.monotonic()
+        first_failure: Optional[tuple[float, int]] = None  # when, and which rank
+        while len(results) < self.world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                return (f"by the call's deadline ({budget:.0f} s): a hang? (ranks that issue different "
+                        f"collectives wait for each other forever); if the call needs longer, pass "
+                        f"run_distributed(..., timeout_s=...), set ${TIMEOUT_ENV} or raise the test's "
+                        f"@pytest.mark.timeout")
+            if first_failure and now >= first_failure[0] + GRACE_S:
+                return f"{GRACE_S:.0f} s after rank {first_failure[1]} failed (probably waiting for it in a collective)"
+            if not self._receive(call_id, min(0.5, deadline - now), results, groups):
+                self._note_deaths(call_id, results, groups)
+            if first_failure is None:
+                first_failure = next(((now, r) for r, (_, error) in sorted(results.items()) if error), None)
+        return None
+
+    def _note_deaths(self, call_id: int, results: dict, groups: dict) -> None:
+        """A worker that ended without a result died (a crash, a signal, os._exit in the call)."""
+        dead = [r for r, p in enumerate(self.procs) if r not in results and p.exitcode is not None]
+        if dead:
+            while self._receive(call_id, 0.2, results, groups):  # what it sent before it ended
+                pass
+        for rank in dead:
+            if rank not in results:
+                code = self.procs[rank].exitcode
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                results[rank] = (None, f"the worker process died ({how}) without a result")
+
+    def _stack(self, rank: int) -> str:
+        p = self.procs[rank]
+        if p.exitcode is not None:
+            return f"(the process had ended: exit code {p.exitcode})"
+        os.kill(p.pid, STACK_SIGNAL)
+        time.sleep(0.5)  # faulthandler writes from its signal handler, even in a blocked collective
+        with open(self._stack_path(rank)) as f:
+            return f.read() or "(no stack written)"
+
+    def close(self) -> None:
+        """Ask the workers to leave the group and end; kill those that do not within 10 s."""
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)
+        for q in [*self.tasks, self.reports]:
+            q.cancel_join_thread()  # a dead reader must not block this process's exit
+            q.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_pools: dict[int, _Pool] = {}
+
+
+def close_pools(*world_sizes: int) -> None:
+    """End the pools of these world sizes, or every pool (at the end of the session); idempotent."""
+    for world_size in world_sizes or list(_pools):
+        if world_size in _pools:
+            _pools.pop(world_size).close()
+
+
+atexit.register(close_pools)
+
+
+def _call_deadline(timeout_s: Optional[float]) -> float:
+    now = time.monotonic()
+    if timeout_s is None and os.environ.get(TIMEOUT_ENV):
+        try:
+            timeout_s = float(os.environ[TIMEOUT_ENV])
+        except ValueError:
+            raise ValueError(f"${TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} is not a number of seconds; "
+                             "set it to e.g. 300, or unset it to use the test's own timeout.") from None
+    if timeout_s is not None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}: a call needs a positive number of seconds.")
+        return now + timeout_s
+    return test_deadline if test_deadline is not None else now + DEFAULT_CALL_TIMEOUT_S
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, fresh: bool = False,
+                    timeout_s: Optional[float] = None) -> list:
+    """``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns the results by rank.
+
+    ``fn`` must be a module-level function and its result something ``torch.save`` writes and
+    ``torch.load(weights_only=True)`` reads. If any rank raises (or dies, or hangs), a RuntimeError
+    carries every failing rank's traceback (a hung rank's stack). Calls run on a pool of long-lived
+    workers (see [Note: the worker pool]); ``fresh=True`` runs this call on new processes instead,
+    ended after it: use it when the call depends on state fixed at process start (variables such as
+    ``MALLOC_*``, the peak resident set), changes process-wide state the reset does not cover
+    (patched module attributes, signal handlers, threads left running), or makes ranks diverge on
+    purpose (the pool would spend ``GRACE_S`` finding its group unusable). ``timeout_s`` bounds the
+    call (else $ZERO_TEST_CALL_TIMEOUT, else the running test's pytest timeout less a margin, else
+    100 s); past it the call fails with the stacks of the ranks that had not answered.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: run_distributed needs a positive int number of ranks "
+                         f"(the function to run comes first: run_distributed(fn, 2, *args)).")
+    deadline = _call_deadline(timeout_s)
+    if fresh:
+        pool = _Pool(world_size)
+        try:
+            results = pool.run(fn, args, deadline, check_group=False)
+        except BaseException:
+            pool.kill()
+            raise
+        pool.close()
+        return results
+    pool = _pools.get(world_size)
+    if pool is None or not pool.usable:
+        if pool is not None:
+            pool.kill()
+        pool = _pools[world_size] = _Pool(world_size)
+    try:
+        return pool.run(fn, args, deadline, check_group=True)
+    except BaseException:  # a failure, a deadline, pytest-timeout or Ctrl-C: no worker is left mid-call
+        del _pools[world_size]
+        pool.kill()
+        raise

@@ -52,7 +52,8 @@ def test_a_100m_model_never_exists_whole_on_a_rank(monkeypatch):
     # glibc otherwise raises its mmap threshold after the first large free and keeps later freed
     # buffers in its heap, so the resident set would count memory the program has released
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    for peak, full, held in run_distributed(_peak_while_sharding, 2):
+    # fresh: the peak resident set and $MALLOC_MMAP_THRESHOLD_ belong to a process, not to a call
+    for peak, full, held in run_distributed(_peak_while_sharding, 2, fresh=True):
         assert full > 400e6
         assert held == pytest.approx(full / 2, rel=0.01)  # each rank keeps half
         unit = 2048 * 2049 * 4  # one Linear: 16.8 MB

@@ -1,0 +1,43 @@
+"""Session-wide test plumbing: the deadline of run_distributed's calls, and closing its worker pools."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from . import distributed
+
+# what a test needs after its last run_distributed call returns: assertions, killing a hung pool
+DEADLINE_MARGIN_S = 15.0
+
+
+def _pytest_timeout_of(item: pytest.Item) -> float:
+    """The item's pytest-timeout in seconds (its marker, else --timeout / the ini file), or 0 for none."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    else:
+        try:
+            value = item.config.getoption("timeout", None) or item.config.getini("timeout")
+        except ValueError:  # pytest-timeout is not installed: no "timeout" ini key
+            value = 0
+    return float(value or 0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # pytest-timeout starts its clock here too: a hung call fails with the workers' stacks and a
+    # clean pool before pytest-timeout would interrupt the test
+    timeout = _pytest_timeout_of(item)
+    distributed.test_deadline = time.monotonic() + max(timeout - DEADLINE_MARGIN_S, timeout / 2) if timeout else None
+    try:
+        return (yield)
+    finally:
+        distributed.test_deadline = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_worker_pools():
+    yield
+    distributed.close_pools()
