@@ -44,7 +44,7 @@ __device__ __forceinline__ void adam_update(const AdamArgs& a, float& p, float g
 }
 
 // G: gradient storage (float, bf16_t, f16_t). L: low-precision output (bf16_t, f16_t, or no_out_t).
-// grad_scale_ptr: optional device float multiplied into grad_scale (e.g. a clip coefficient), or null.
+// grad_scale, grad_scale_ptr: the gradient factor, see grad_factor in zs_common.cuh.
 // The loop: [Note: element loops] in zs_common.cuh.
 template <typename G, typename L>
 __global__ void __launch_bounds__(256, ZS_MIN_BLOCKS) adam_step(
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(256, ZS_MIN_BLOCKS) adam_step(
   float* exp_avg = list.ptr<float>(ADAM_EXP_AVG, t);
   float* exp_avg_sq = list.ptr<float>(ADAM_EXP_AVG_SQ, t);
   L* out = list.ptr<L>(ADAM_OUT, t);
-  const AdamArgs a{grad_scale_ptr ? grad_scale * *grad_scale_ptr : grad_scale,
+  const AdamArgs a{grad_factor(grad_scale, grad_scale_ptr),
                    one_minus_beta1,
                    beta2,
                    one_minus_beta2,

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(256, ZS_MIN_BLOCKS) sgd_step(
   const G* grad = list.ptr<const G>(SGD_GRAD, t);
   float* buffer = list.ptr<float>(SGD_MOMENTUM_BUFFER, t);  // null when momentum == 0
   L* out = list.ptr<L>(SGD_OUT, t);
-  const SgdArgs a{grad_scale_ptr ? grad_scale * *grad_scale_ptr : grad_scale,
+  const SgdArgs a{grad_factor(grad_scale, grad_scale_ptr),
                   lr,
                   momentum,
                   one_minus_dampening,

@@ -41,6 +41,13 @@ template <> __device__ __forceinline__ f16_t from_float<f16_t>(float x) {
   return f16_t{h};
 }
 
+// The gradient factor of the optimizer steps (GradScale in zero_strategy/kernels/reference.py): a host
+// float times an optional device scalar, so that a factor computed on the device (the clip coefficient
+// over the loss scale) is applied without a host sync. grad_scale_ptr: a device float, or null.
+__device__ __forceinline__ float grad_factor(float grad_scale, const float* grad_scale_ptr) {
+  return grad_scale_ptr ? grad_scale * *grad_scale_ptr : grad_scale;
+}
+
 // Four consecutive elements, aligned so that one vector instruction moves them (16 B for fp32, 8 B for 16-bit).
 template <typename T> struct alignas(4 * sizeof(T)) Vec4 { T v[4]; };
 

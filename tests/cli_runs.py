@@ -19,7 +19,7 @@ def script(name: str) -> str:
     """The installed console script: next to this interpreter (pip puts it there), else on PATH."""
     beside = Path(sys.executable).parent / name
     found = str(beside) if beside.exists() else shutil.which(name)
-    assert found, f"console script {name} is not installed; run `pip install -e .`"
+    assert found, f"console script {name} is not installed; run `pip install -e \".[app]\"`"
     return found
 
 

@@ -17,8 +17,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from zero_strategy import ZeroStrategy
-from zero_strategy.cli import config_dir
-from zero_strategy.cli.configs import GROUPS, group_options
+from zero_strategy.cli.configs import GROUPS, config_dir, group_options
 from zero_strategy.cli.train import build
 from zero_strategy.cli.validate import ConfigError, check_config
 

@@ -1,8 +1,11 @@
 """The engine on one CUDA device (skips without CUDA): the fused kernels in ZeroOptimizer's step
 against torch's own optimizer code (ZERO_STRATEGY_KERNELS=torch), and a sharded checkpoint of CUDA
-tensors. Run it wherever a GPU is available (benchmarks/gpu_check.sh does)."""
+tensors. Run it wherever a GPU is available (benchmarks/gpu_check.sh does); world size 2 on the
+GPU is tests/test_engine_gpu_multirank.py."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from zero_strategy.engine import Collectives, LossScaler, shard_module
 from .models import OddMLP, batch, make_optimizer, param_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cupy = pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
+                                reason="the fused kernels need CuPy: pip install -e '.[cuda]' (or '.[cuda12]')")
 
 
 def _run(stage: int, optimizer: str, dtype: torch.dtype, backend: str, steps: int = 6, clip: float = 0.0):
@@ -29,6 +34,7 @@ def _run(stage: int, optimizer: str, dtype: torch.dtype, backend: str, steps: in
         scaler = LossScaler(scale=2.0**8) if dtype != torch.float32 else None
         opt = ZeroOptimizer(user_opt, config, sharder=sharder, scaler=scaler)
         losses = []
+        before = kernels.launch_counts()
         for step in range(steps):
             x, y = (t.cuda().to(dtype) for t in batch(step, 0))
             loss = F.mse_loss(model(x, step, 0).float(), y.float())
@@ -38,27 +44,38 @@ def _run(stage: int, optimizer: str, dtype: torch.dtype, backend: str, steps: in
                 opt.clip_grad_norm_(clip)
             opt.step()
             losses.append(loss.item())
+        launched = {k: n - before.get(k, 0) for k, n in kernels.launch_counts().items() if n != before.get(k, 0)}
         with gathered_parameters(model):
             params = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
-        return losses, params
+        return losses, params, launched
     finally:
         kernels.set_backend(None)
 
 
+def _assert_kernels_ran(fused_launched: dict, torch_launched: dict, optimizer: str) -> None:
+    step_kernel = "fused_sgd" if optimizer == "sgd" else "fused_adam"
+    assert fused_launched.get(step_kernel, 0) >= 6 and fused_launched.get("grad_norm", 0) >= 6, fused_launched
+    assert torch_launched == {}, torch_launched
+
+
+@needs_cupy
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
 def test_fused_step_matches_torch_in_fp32(stage, optimizer):
-    fused_losses, fused = _run(stage, optimizer, torch.float32, "auto", clip=0.5)
-    torch_losses, reference = _run(stage, optimizer, torch.float32, "torch", clip=0.5)
+    fused_losses, fused, fused_launched = _run(stage, optimizer, torch.float32, "auto", clip=0.5)
+    torch_losses, reference, torch_launched = _run(stage, optimizer, torch.float32, "torch", clip=0.5)
+    _assert_kernels_ran(fused_launched, torch_launched, optimizer)
     torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(torch_losses), rtol=1e-5, atol=1e-6)
     for key, value in reference.items():
         torch.testing.assert_close(fused[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
+@needs_cupy
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_step_matches_torch_with_fp32_masters(dtype):
-    fused_losses, fused = _run(2, "adamw", dtype, "auto", clip=0.5)
-    torch_losses, reference = _run(2, "adamw", dtype, "torch", clip=0.5)
+    fused_losses, fused, fused_launched = _run(2, "adamw", dtype, "auto", clip=0.5)
+    torch_losses, reference, torch_launched = _run(2, "adamw", dtype, "torch", clip=0.5)
+    _assert_kernels_ran(fused_launched, torch_launched, "adamw")
     torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(torch_losses), rtol=1e-3, atol=1e-4)
     for key, value in reference.items():  # the masters agree to fp32 rounding; the weights to one 16-bit ulp
         torch.testing.assert_close(fused[key], value, rtol=1e-2, atol=1e-3, msg=lambda m: f"{key}: {m}")

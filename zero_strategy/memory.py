@@ -17,25 +17,46 @@ from .engine import ZeroOptimizer
 KEYS = ("params", "grads", "optimizer_states", "master_params")
 LOCATIONS = ("device", "host", "disk")
 
-# bytes per parameter: (working weight, gradient, fp32 master copy, default optimizer state)
-# The state default is Adam's two moments, fp32 unless the whole run is in half precision.
-_PRECISION_BYTES: dict[str, tuple[int, int, int, int]] = {
-    "32-true": (4, 4, 0, 8),  # the fp32 weight is its own master
-    "bf16-mixed": (2, 2, 4, 8),  # the paper's mixed precision: K = 4 + 8 = 12
-    "16-mixed": (2, 2, 4, 8),
-    "bf16-true": (2, 2, 0, 4),
-    "16-true": (2, 2, 0, 4),
+# [Note: precision names]
+# The one table of the precisions this package trains in, named as Lightning's Trainer(precision=...)
+# names them: the dtype of the working weights and gradients. "-mixed" adds an fp32 master copy of
+# each rank's shard (see [Note: precision] in precision.py), "-true" keeps none; fp32 weights are
+# their own master. ZeroPrecision (precision.py) and the memory formula below both read it.
+PRECISION_DTYPES: dict[str, torch.dtype] = {
+    "32-true": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
 }
-# what Lightning also accepts for the same settings
-_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "half": "16-true"}
+PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "half": "16-true"}
+"""What Lightning also accepts for the same settings."""
 
 
 def normalize_precision(precision: str | int) -> str:
-    name = _PRECISION_ALIASES.get(str(precision), str(precision))
-    if name not in _PRECISION_BYTES:
-        raise ValueError(f"precision={precision!r} is not known; use one of {sorted(_PRECISION_BYTES)} "
+    """The name in ``PRECISION_DTYPES`` of ``precision`` or of its alias (``"bf16"`` -> ``"bf16-mixed"``)."""
+    name = PRECISION_ALIASES.get(str(precision), str(precision))
+    if name not in PRECISION_DTYPES:
+        raise ValueError(f"precision={precision!r} is not known; use one of {sorted(PRECISION_DTYPES)} "
                          "(named as Lightning's Trainer(precision=...) names them).")
     return name
+
+
+def has_master_weights(precision: str) -> bool:
+    """Whether the optimizer keeps an fp32 copy of low-precision weights (see [Note: precision names])."""
+    return normalize_precision(precision).endswith("-mixed")
+
+
+def _bytes_per_parameter(precision: str) -> tuple[int, int, int, int]:
+    """(working weight, gradient, fp32 master copy, default optimizer state) bytes per parameter.
+
+    The state default is Adam's two moments, in the dtype the optimizer steps: fp32 unless the whole
+    run is in true half. Mixed bf16/fp16 gives the paper's K = 4 + 8 = 12."""
+    dtype = PRECISION_DTYPES[normalize_precision(precision)]
+    weight = dtype.itemsize
+    master = 4 if has_master_weights(precision) else 0
+    stepped = 4 if master or dtype == torch.float32 else weight
+    return weight, weight, master, 2 * stepped
 
 
 def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precision: str | int = "32-true",
@@ -67,7 +88,7 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
         raise ValueError("offload needs a ZeRO stage (1, 2 or 3), got stage=0 (plain data parallelism)")
     if offload_disk and not offload_optimizer:
         raise ValueError("offload_disk=True keeps optimizer state on disk, which needs offload_optimizer=True")
-    param_b, grad_b, master_b, state_b = _PRECISION_BYTES[normalize_precision(precision)]
+    param_b, grad_b, master_b, state_b = _bytes_per_parameter(precision)
     if optimizer_state_bytes is not None:
         state_b = optimizer_state_bytes
     n = world_size

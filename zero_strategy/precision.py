@@ -21,10 +21,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .engine import LossScaler, ZeroOptimizer
+from .memory import PRECISION_DTYPES, has_master_weights
 
-_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
-           "bf16-true": torch.bfloat16, "16-true": torch.float16}
-SUPPORTED_PRECISION = tuple(_DTYPES)
+SUPPORTED_PRECISION = tuple(PRECISION_DTYPES)  # see [Note: precision names] in memory.py
 
 
 def _engine(optimizer: Any) -> Optional[ZeroOptimizer]:
@@ -47,11 +46,11 @@ class ZeroPrecision(Precision):
 
     def __init__(self, precision: str = "32-true", loss_scale: float = 0.0, initial_scale_power: int = 16,
                  loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0) -> None:
-        if precision not in _DTYPES:
+        if precision not in PRECISION_DTYPES:
             raise ValueError(f"precision={precision!r} is not supported by ZeroStrategy; supported: "
                              f"{', '.join(SUPPORTED_PRECISION)}.")
         self.precision = precision  # type: ignore[assignment]
-        self.dtype = _DTYPES[precision]
+        self.dtype = PRECISION_DTYPES[precision]
         self.scaler: Optional[LossScaler] = None
         if precision == "16-mixed":
             dynamic = loss_scale == 0
@@ -62,7 +61,7 @@ class ZeroPrecision(Precision):
     @property
     def master_weights(self) -> bool:
         """Whether the optimizer keeps fp32 copies of low-precision weights."""
-        return self.precision.endswith("-mixed")
+        return has_master_weights(self.precision)
 
     # ---- dtypes of the module, its inputs and outputs --------------------------------------
 
@@ -87,8 +86,7 @@ class ZeroPrecision(Precision):
 
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:
         tensor = super().pre_backward(tensor, module)
-        # scaled in fp32: a loss of 2 times the default scale of 2**16 is already past fp16's range
-        return tensor.float() * self.scaler.scale if self.scaler is not None else tensor
+        return self.scaler.scale_loss(tensor) if self.scaler is not None else tensor
 
     def _wrap_closure(self, model: "pl.LightningModule", optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
         closure_result = closure()
@@ -133,7 +131,7 @@ def to_zero_precision(plugin: Optional[Precision]) -> Optional[ZeroPrecision]:
     if plugin is None or isinstance(plugin, ZeroPrecision):
         return plugin
     name = str(getattr(plugin, "precision", type(plugin).__name__))
-    if type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision") and name in _DTYPES:
+    if type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision") and name in PRECISION_DTYPES:
         return ZeroPrecision(name)
     raise ValueError(
         f"ZeroStrategy does not support precision={name!r} ({type(plugin).__name__}); supported: "

@@ -519,17 +519,8 @@ class ZeroStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``zero_stage_1``, ``zero_stage_2``, ``zero_stage_3`` and the offload variants
-        ``zero_stage_2_offload`` (optimizer on the host) and ``zero_stage_3_offload`` (optimizer and
-        parameters on the host); safe to call more than once."""
-        for stage in (1, 2, 3):
-            name = f"zero_stage_{stage}"
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"ZeRO stage {stage} (ZeroStrategy)", stage=stage)
-        offload = {"zero_stage_2_offload": ("optimizer state and master weights in host memory",
-                                            dict(stage=2, offload_optimizer=True)),
-                   "zero_stage_3_offload": ("optimizer state, master weights and parameter shards in host memory",
-                                            dict(stage=3, offload_optimizer=True, offload_params=True))}
-        for name, (what, kwargs) in offload.items():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"ZeRO stage {kwargs['stage']}, {what} "
-                                                                  "(ZeroStrategy)", **kwargs)
+        (``zero_strategy.STRATEGY_NAMES``) with this class; safe to call more than once. ``import
+        zero_strategy`` does it already (see [Note: registering with Lightning lazily])."""
+        from . import register_strategy_names
+
+        register_strategy_names(strategy_registry, cls)

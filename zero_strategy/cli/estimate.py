@@ -21,8 +21,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from ..memory import estimate_memory, normalize_precision
-from . import register_resolvers
-from .configs import config_dir
+from .configs import config_dir, register_resolvers
 from .errors import explain_failure
 from .report import print_estimates
 from .validate import check_config

@@ -28,10 +28,8 @@ from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from .. import ZeroStrategy  # noqa: F401  importing the package registers the strategies
-from . import register_resolvers
 from .callbacks import MemoryTable, Throughput
-from .configs import config_dir
+from .configs import config_dir, register_resolvers
 from .errors import explain_failure
 from .report import print_config, print_final
 from .validate import ConfigError, check_config

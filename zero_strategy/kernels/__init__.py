@@ -12,12 +12,13 @@ reference everywhere.
     grad_norm_and_overflow(tensors, norm_type=2.0, device=None) -> (total, nonfinite)
     flatten_into(tensors, flat, offsets=None);  unflatten_from(flat, tensors, offsets=None)
     optimizer_step(optimizer, grad_scale=1.0, lowp_out=None, grads=None) -> bool  (False: call step())
+    launch_counts() -> {source stem: kernels launched by this process}
 """
 
 from . import reference
-from .loader import available, backend, set_backend
+from .loader import available, backend, launch_counts, set_backend
 from .ops import adam_step, flatten_into, grad_norm_and_overflow, sgd_step, unflatten_from
 from .optimizer import optimizer_step
 
-__all__ = ["adam_step", "available", "backend", "flatten_into", "grad_norm_and_overflow", "optimizer_step", "reference",
-           "set_backend", "sgd_step", "unflatten_from"]
+__all__ = ["adam_step", "available", "backend", "flatten_into", "grad_norm_and_overflow", "launch_counts",
+           "optimizer_step", "reference", "set_backend", "sgd_step", "unflatten_from"]

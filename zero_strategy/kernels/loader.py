@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import Counter
 from itertools import product
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -46,6 +47,7 @@ CUDA_TYPE_NAMES = {torch.float32: "float", torch.bfloat16: "bf16_t", torch.float
 """torch dtype -> the kernels' storage type."""
 
 _backend: Optional[str] = None
+_launches: Counter = Counter()  # kernel launches by source stem, for ``launch_counts``
 
 
 def source_dir() -> Path:
@@ -159,11 +161,18 @@ def _cupy_stream(device: torch.device) -> Any:
     return cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
 
 
+def launch_counts() -> dict[str, int]:
+    """How many kernels of each source (``"fused_adam"``, ``"grad_norm"``, ...) this process has launched:
+    how a caller (a test, a benchmark) sees that the CUDA kernels ran rather than the torch reference."""
+    return dict(_launches)
+
+
 def launch(stem: str, name: str, device: torch.device, grid: int, block: int, args: Sequence[Any]) -> None:
     """Run a kernel on torch's current stream of ``device``. ``args`` must already have the kernel's C
     types (numpy scalars: ``np.uint64`` for addresses, ``np.float32``, ``np.int32``, ``np.int64``)."""
     if grid == 0:
         return
+    _launches[stem] += 1
     cupy = cupy_module()
     kernel = get_kernel(stem, name, device)
     with cupy.cuda.Device(_index(device)), _cupy_stream(device):

@@ -20,13 +20,13 @@ import torch
 
 from . import reference
 from .loader import CUDA_TYPE_NAMES, available, launch
+from .reference import GradScale
 
 CHUNK = 16384
 """Elements per CUDA block: a multiple of the vector width (4); 256 threads make 16 passes."""
 THREADS = 256
 FLAG_VEC, FLAG_FIRST_STEP = 1, 2  # a tensor's flags in the table, as in cuda/zs_common.cuh
 
-GradScale = Union[float, torch.Tensor]
 _LOWP = (torch.bfloat16, torch.float16)
 
 

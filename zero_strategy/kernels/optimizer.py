@@ -16,15 +16,14 @@ runs ``optimizer.step()``.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from . import ops
 from .loader import CUDA_TYPE_NAMES, available
-
-GradScale = Union[float, torch.Tensor]
+from .reference import GradScale
 
 
 def _scalar(x) -> float:

@@ -12,6 +12,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 GradScale = Union[float, torch.Tensor]
+"""The gradient factor every optimizer step takes: a host float, or a one-element tensor on the device
+(e.g. the clip coefficient, computed there, over the loss scale), so that no host sync is needed."""
 
 
 def scaled_grad(grad: torch.Tensor, dtype: torch.dtype, grad_scale: GradScale) -> torch.Tensor:
