@@ -46,6 +46,7 @@ from .layout import Piece
 from .offload import HOST, DiskState, DiskStepper, host_optimizer_kwargs, plan_tiles, wait_for_copies
 from .parameters import ParameterSharder
 from .scaler import LossScaler
+from .step_grads import StepGradients
 from .state import consolidate_state, shard_state
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
@@ -128,22 +129,6 @@ class PieceRef:
     param_group: int  # the user's param group
 
 
-@dataclass
-class _StepState:
-    """What reduce_gradients learnt for the coming step.
-
-    [Note: state behind LightningOptimizer]
-    Lightning wraps an optimizer in a LightningOptimizer that copies the optimizer's ``__dict__``
-    and subclasses its class, so a method called through the wrapper that *assigns* an attribute
-    sets it on the wrapper alone. Per-step state therefore lives in this object, shared by both
-    dicts and only ever mutated.
-    """
-
-    grads: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # (master piece, its gradient)
-    where: Optional[list[tuple[int, int]]] = None  # (group, piece) of each entry of grads
-    overflow: bool = False
-
-
 class ZeroOptimizer(torch.optim.Optimizer):
     """A torch optimizer re-created over this rank's pieces (stages 1-3), usable in a plain
     torch.distributed loop.
@@ -196,7 +181,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
         self.state = self.inner.state  # type: ignore[assignment]
         self.scaler = scaler
-        self._step = _StepState()
+        self._step = StepGradients()  # see [Note: state behind LightningOptimizer] in step_grads.py
         self._tiles, self._disk = self._plan_offload(config, type(optimizer), kwargs)
         if type(self) is ZeroOptimizer:
             self.__class__ = _named_like(type(optimizer))
@@ -228,44 +213,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def reduce_gradients(self) -> None:
         """Average gradients across ranks and make the master gradients: one per piece whose
-        parameter got a gradient on some rank, in the master's dtype, divided by the loss scale;
-        with a loss scaler, also learn whether any rank overflowed.
+        parameter got a gradient on some rank, divided by the loss scale (at once, or in the fused
+        step: see [Note: the fused mixed-precision step]); with a loss scaler, also learn whether any
+        rank overflowed.
 
         Runs before gradient clipping and the step; idempotent until ``zero_grad``.
         """
-        if self._step.grads is not None:
+        if self._step.ready:
             return
         self.reducer.reduce()
         received = self.reducer.received_anywhere()
         if self.offloaded:
             wait_for_copies(self._device)  # the gradients' copies to the host
-        self._step.grads, self._step.where = [], []
-        for gi, (g, tensors) in enumerate(zip(self.groups, self._pieces)):
-            for pi, (piece, master) in enumerate(zip(g.pieces, tensors)):
-                if received[gi][piece.param]:
-                    grad = self.reducer.piece_grad(gi, piece)
-                    self._step.grads.append((master, grad.to(master.dtype)))  # a copy only for a wider master
-                    self._step.where.append((gi, pi))
-        self._step.overflow = False
-        if self.scaler is not None and self._step.grads:
-            grads = [grad for _, grad in self._step.grads]
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            if kernels.available(grads[0]):  # one fused pass on CUDA: see [Note: kernels in the step]
-                bad = kernels.grad_norm_and_overflow(grads)[1].to(torch.uint8).reshape(1)
-            else:
-                bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).to(torch.uint8).reshape(1)
-        elif self.scaler is not None:
+        pairs, where = [], []
+        for ref in self.pieces():
+            if received[ref.group_index][ref.piece.param]:
+                pairs.append((ref.tensor, self.reducer.piece_grad(ref.group_index, ref.piece)))
+                where.append((ref.group_index, ref.index))
+        deferred = bool(pairs) and kernels.available(pairs[0][1]) and not self.offloaded
+        if not deferred:
+            pairs = [(master, grad.to(master.dtype)) for master, grad in pairs]  # a copy only for a wider master
+        self._step.set(pairs, where, deferred, self.scaler.scale if self.scaler is not None else None)
+        if self.scaler is None:
+            return
+        grads = self._step.grads
+        if not grads:
             bad = torch.zeros(1, dtype=torch.uint8, device=self._device)
-        if self.scaler is not None:  # every rank takes part, holding gradients or not
-            bad = bad.to(self._device)  # host gradients (offload) give a host flag
-            self.comm.all_reduce(bad, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of the overflow flag")
-            self._step.overflow = bool(bad.item())
+        elif kernels.available(grads[0]):  # one fused pass on CUDA: see [Note: kernels in the step]
+            bad = kernels.grad_norm_and_overflow(grads)[1].to(torch.uint8).reshape(1)
+        else:
+            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).to(torch.uint8).reshape(1)
+        bad = bad.to(self._device)  # host gradients (offload) give a host flag; every rank takes part
+        self.comm.all_reduce(bad, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of the overflow flag")
+        self._step.overflow = bool(bad.item())
 
     def piece_grads(self) -> list[torch.Tensor]:
-        """The master gradients (see reduce_gradients), for clipping."""
+        """The master gradients (see reduce_gradients), unscaled and clipped, in the masters' dtype."""
         self.reduce_gradients()
-        assert self._step.grads is not None
-        return [grad for _, grad in self._step.grads]
+        self._step.materialize()
+        return self._step.grads
 
     @property
     def overflowed(self) -> bool:
@@ -279,7 +265,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
-        assert self._step.grads is not None
         if self._step.overflow:  # parameters and optimizer state stay as they are
             self.scaler.update(overflow=True)
             return loss
@@ -291,9 +276,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             inner_group.update({k: v for k, v in user_group.items() if k not in kept})
         if self.offloaded:
             self._step_on_host()
-        else:
-            if not kernels.optimizer_step(self.inner, grads=dict(self._step.grads)):
-                for master, grad in self._step.grads:
+        elif not self._fused_step():
+            self._step.materialize()
+            assert self._step.pairs is not None
+            if not kernels.optimizer_step(self.inner, grads=dict(self._step.pairs)):
+                for master, grad in self._step.pairs:
                     master.grad = grad
                 self.inner.step()
             for g in self.groups:
@@ -307,10 +294,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # what LR schedulers look for on step
 
+    def _fused_step(self) -> bool:
+        """The update in one pass per piece (see [Note: the fused mixed-precision step]); False, having
+        changed nothing, when the kernels do not take this optimizer over."""
+        if not self._step.deferred:
+            return False
+        assert self._step.pairs is not None
+        working = {ref.tensor: ref.group.weights(ref.piece) for ref in self.pieces() if ref.group.has_master_copy}
+        if not kernels.optimizer_step(self.inner, grad_scale=self._step.scale, lowp_out=working,
+                                      grads=dict(self._step.pairs)):
+            return False
+        for g in self.groups:  # the working weights were written by the update: a gathered copy is stale
+            if not g.resident and g.gathered:
+                g.release()
+        return True
+
     def _step_on_host(self) -> None:
         """The step on host tensors, tile by tile: see [Note: offloaded step]."""
-        assert self._step.grads is not None and self._step.where is not None
-        grad_of = {where: grad for where, (_, grad) in zip(self._step.where, self._step.grads)}
+        assert self._step.pairs is not None
+        grad_of = {where: grad for where, (_, grad) in zip(self._step.where, self._step.pairs)}
         self._keep_state_on_host()
 
         def written(parts) -> None:  # start the copies of a stepped tile to the device
@@ -362,7 +364,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
-        self._step.grads = None
+        self._step.reset()
         for tensors in self._pieces:
             for t in tensors:
                 t.grad = None
@@ -379,7 +381,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Returns the total norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does.
         """
-        grads = self.piece_grads()
+        self.reduce_gradients()
+        grads = self._step.grads  # raw when the step is fused: see [Note: the fused mixed-precision step]
         device = self._device  # the collective's; offloaded gradients are on the host
         inf = float(norm_type) == float("inf")
         if grads and kernels.available(grads[0]) and float(norm_type) in (2.0, float("inf")):
@@ -387,7 +390,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             norms = torch.stack(torch._foreach_norm(grads, norm_type)).double() if grads else torch.zeros(1, device=device)
             total = norms.max() if inf else norms.pow(norm_type).sum()
-        total = total.to(device)
+        total = self._step.norm_power_of_raw(total, float(norm_type)).to(device)
         what = lambda: "all-reduce of the gradient norm for clipping"  # noqa: E731
         if inf:
             self.comm.all_reduce(total, op=dist.ReduceOp.MAX, what=what)
@@ -395,8 +398,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.comm.all_reduce(total, what=what)
             total = total.pow(1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
+        self._step.multiply(coef)
         return total.to(torch.float32)
 
     @torch.no_grad()
