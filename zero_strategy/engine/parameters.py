@@ -23,6 +23,14 @@ modules' hooks, in the order the model runs them, with prefetch and the order gu
   guesses, and the collectives they issue, agree across ranks; the order guard checks it (see
   [Note: order guard] in order_guard.py).
 
+[Note: compiled modules]
+The unit hooks are plain Python (unit states, collectives, the order guard) that dynamo cannot
+trace, so they are ``torch._dynamo.disable``d: under ``torch.compile`` each one is a graph break,
+run eagerly, at every unit's gather (pre-forward, and the pre-backward hook) and release
+(post-forward); the modules' own forwards between them are compiled (a transformer block's forward
+is one graph, reused for every block). Tracing a hook instead would bake a released parameter's
+empty shape into the graph.
+
 [Note: one owner of the flat groups]
 ParameterSharder builds every flat group of a model, at every stage (all resident at stages 1 and
 2); a ZeroOptimizer only maps the pieces of the groups holding its parameters (``groups_of``) to its
@@ -62,6 +70,11 @@ def _split(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) ->
     for p in params:
         runs.setdefault((p.dtype, p.device, p.requires_grad, owner_of.get(p, -1)), []).append(p)
     return list(runs.values())
+
+
+def _eager(hook):
+    """``hook`` run by Python even inside ``torch.compile``: see [Note: compiled modules]."""
+    return torch._dynamo.disable(hook, recursive=True)
 
 
 def _in_backward() -> bool:
@@ -167,10 +180,10 @@ class ParameterSharder:
             assert self.module is not None
             for unit in self.units:
                 for mod in unit.modules:
-                    self._handles.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
-                    self._handles.append(mod.register_forward_hook(functools.partial(self._post_forward, unit)))
-            self._handles.append(self.module.register_forward_pre_hook(self._pre_forward_root))
-            self._handles.append(self.module.register_forward_hook(self._post_forward_root))
+                    self._handles.append(mod.register_forward_pre_hook(_eager(functools.partial(self._pre_forward, unit))))
+                    self._handles.append(mod.register_forward_hook(_eager(functools.partial(self._post_forward, unit))))
+            self._handles.append(self.module.register_forward_pre_hook(_eager(self._pre_forward_root)))
+            self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root)))
             for unit in self.all_units:
                 for g in unit.groups:
                     for p in g.params:
