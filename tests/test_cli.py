@@ -101,7 +101,7 @@ def test_multirun_launches_each_jobs_ranks_in_its_own_folder(tmp_path):
 
 BAD = {
     "unknown strategy": (["strategy=zero9"], ["Could not find 'strategy/zero9'",  # Hydra's
-                                              "Available: ddp, zero1, zero2, zero2_offload, zero3, zero3_offload",
+                                              "Available: ddp, deepspeed_config, zero1, zero2, zero2_offload, zero3, zero3_offload",
                                               "Did you mean strategy=zero"]),
     "unknown key": (["trainer.max_stepz=5"], ["Key 'max_stepz' is not in struct", "Did you mean trainer.max_steps"]),
     "wrong type": (["trainer.max_steps=ten"], ["trainer.max_steps='ten' (str) does not fit",
