@@ -5,19 +5,23 @@
 # torch with CUDA, CuPy, pytest, pytest-timeout, safetensors and xxhash; Lightning for the one
 # activation test and the stages benchmark.
 #   bash benchmarks/gpu_check.sh                     # BUDGET_S=390, PYTHON=python3 by default
-# Results go to $OUT when it is set, else to benchmarks/results_gpu/, eight files: summary.txt (the
+# Results go to $OUT when it is set, else to benchmarks/results_gpu/, ten files: summary.txt (the
 # environment, then each step's exit status and seconds), kernel_tests.log, engine_tests.log,
-# bench_kernels.log and .json, bench_activations.log, bench_offload.log, bench_stages.log.
+# bench_kernels.log and .json, bench_fused_step.log and .json, bench_activations.log,
+# bench_offload.log, bench_stages.log.
 #
 # [Note: the GPU check's time budget]
 # A GPU machine is lent for 15 minutes in all, its start and the transfers included, so this script
 # must end well inside 8: BUDGET_S (390 s) caps it. Steps run in the order of what they prove: the
 # kernels against their torch references, the engine on one GPU and at world size 2 on it (two
-# processes on cuda:0 over gloo, tests/test_engine_gpu_multirank.py), then the benchmarks at small
-# sizes. Each step runs under `timeout` for the smaller of its own cap and what is left of the
-# budget; a step that would start with under MIN_STEP_S left is skipped, says so, and fails the run.
+# processes on cuda:0 over gloo, tests/test_engine_gpu_multirank.py), then the benchmarks: the
+# kernels, the optimizer phase of a 1B-parameter stage-2 model through the engine against torch's
+# AdamW(fused=True) path (bench_fused_step.py: about 34 GB of device memory, 20-30 s expected with
+# the kernels already compiled by the tests), then the rest at small sizes. Each step runs under
+# `timeout` for the smaller of its own cap and what is left of the budget; a step that would start
+# with under MIN_STEP_S left is skipped, says so, and fails the run.
 # Expected on an H200 (16 cores): tests about 2.5 minutes (CuPy compiles the kernels once per
-# process, then caches them on disk), benchmarks about 2.
+# process, then caches them on disk), benchmarks about 2.5.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results_gpu}"
@@ -69,6 +73,7 @@ step kernel_tests 150 "$py" -m pytest "${pytest_args[@]}" \
 step engine_tests 180 "$py" -m pytest "${pytest_args[@]}" -k "(gpu or cuda) and not cpu" \
     tests/test_engine_gpu.py tests/test_engine_gpu_multirank.py tests/test_activation_checkpointing.py
 step bench_kernels 60 "$py" benchmarks/bench_kernels.py --out "$out/bench_kernels.json"
+step bench_fused_step 90 "$py" benchmarks/bench_fused_step.py --out "$out/bench_fused_step.json"
 step bench_activations 30 "$py" benchmarks/bench_activations.py --n-embd 256 --seq 256 --batch 16 --repeats 3 --device cuda
 step bench_offload 45 "$py" benchmarks/bench_offload.py --params-millions 50 --disk-params-millions 10 --steps 3 \
     --cuda-memory 100

@@ -1,5 +1,7 @@
 """zero_strategy.kernels on CPU: the torch references equal torch.optim, the public functions fall back
-to them, and the loader's source handling works without CUDA. (Kernels vs references: test_kernels_gpu.py.)"""
+to them, the loader's source handling works without CUDA, and the launch path (dtype grouping, table,
+arguments) runs against the kernel emulator (tests/kernel_emulator.py). Kernels vs references on a GPU:
+test_kernels_gpu.py; the engine's fused step through the emulator: test_fused_step.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import torch
 
 from zero_strategy import kernels
 from zero_strategy.kernels import loader, reference
+
+from .kernel_emulator import emulated_device  # noqa: F401  (a fixture)
 
 SIZES = [0, 1, 3, 7, 8, 13, 129]  # not multiples of the vector width (4) or of 8, and empty
 
@@ -137,29 +141,6 @@ def test_grad_norm_of_nothing_is_zero():
     assert kernels.grad_norm_and_overflow([])[0].item() == 0
 
 
-@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_flatten_unflatten_round_trip_with_casts(flat_dtype):
-    tensors = [t.reshape(-1, 1) if t.numel() % 2 else t for t in _tensors(7)] + _tensors(8, [4, 5], torch.bfloat16)
-    flat = torch.full((sum(t.numel() for t in tensors) + 3,), float("nan"), dtype=flat_dtype)
-    kernels.flatten_into(tensors, flat)
-    assert torch.equal(flat[: -3], torch.cat([t.reshape(-1).to(flat_dtype) for t in tensors]))
-    back = [torch.full_like(t, float("nan")) for t in tensors]
-    kernels.unflatten_from(flat, back)
-    for t, b in zip(tensors, back):
-        assert torch.equal(b, t.to(flat_dtype).to(t.dtype))
-
-
-def test_flatten_with_offsets_and_bad_offsets():
-    a, b = torch.arange(3.0), torch.arange(2.0) + 10
-    flat = torch.zeros(10)
-    kernels.flatten_into([a, b], flat, offsets=[4, 0])
-    assert flat.tolist() == [10, 11, 0, 0, 0, 1, 2, 0, 0, 0]
-    with pytest.raises(ValueError, match="does not fit"):
-        kernels.flatten_into([a, b], flat, offsets=[8, 0])
-    with pytest.raises(ValueError, match="one offset per tensor"):
-        kernels.unflatten_from(flat, [a, b], offsets=[0])
-
-
 def test_mismatched_lists_are_named():
     p = [torch.zeros(3)]
     with pytest.raises(ValueError, match=r"exp_avgs\[0\] has 4 elements"):
@@ -222,101 +203,7 @@ def test_every_kernel_name_is_instantiated_in_its_source():
             assert re.search(re.escape(explicit), text) or by_macro, f"{stem}.cu does not instantiate {name}"
 
 
-# ---- the launch path, with the kernels emulated on host memory ---------------------------------
-# Without a GPU the CUDA code cannot run, but everything around it can: the dtype grouping, the
-# tensor-list table, the argument order. This emulator reads the table and the arguments exactly
-# as cuda/*.cu does (addresses included: CPU tensors' memory), so a table or argument mistake fails
-# here. Numerics are the kernels' formulas in torch fp32.
-
-_TYPES = {"float": torch.float32, "bf16_t": torch.bfloat16, "f16_t": torch.float16, "no_out_t": None}
-_ROLES = {"fused_adam": (5, 2), "fused_sgd": (4, 0), "grad_norm": (1, 0), "bucket_copy": (2, 0)}
-
-
-def _memory(address: int, dtype: torch.dtype, begin: int, end: int) -> torch.Tensor:
-    import ctypes
-
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = (ctypes.c_char * ((end - begin) * size)).from_address(int(address) + begin * size)
-    return torch.frombuffer(raw, dtype=dtype)
-
-
-def _blocks(table: torch.Tensor, n: int, roles: int, scalars: int, chunk: int):
-    """(tensor index, begin, end, flags) of every block, found as the CUDA code finds them."""
-    row = lambda r: table[r * n : (r + 1) * n]  # noqa: E731
-    first = table[(roles + 2 + scalars) * n : (roles + 2 + scalars) * n + n + 1].tolist()
-    for b in range(first[-1]):
-        t = max(i for i in range(n) if first[i] <= b)
-        begin = (b - first[t]) * chunk
-        yield t, begin, min(begin + chunk, int(row(roles)[t])), int(row(roles + 1)[t]), row
-
-
-def _emulate(stem, name, device, grid, block, args):
-    types = [_TYPES[a.strip()] for a in name.partition("<")[2].rstrip(">").split(",")] if "<" in name else []
-    if name == "grad_norm_final":
-        partials, flags, count, max_mode, total, nonfinite = args
-        p = _memory(partials, torch.float32, 0, int(count)).double()
-        _memory(total, torch.float32, 0, 1)[0] = (p.max() if max_mode else p.sum()).float()
-        _memory(nonfinite, torch.bool, 0, 1)[0] = bool(_memory(flags, torch.uint8, 0, int(count)).any())
-        return
-    table_address, n, chunk = int(args[0]), int(args[1]), int(args[2])
-    roles, scalars = _ROLES[stem]
-    length = (roles + 2 + scalars) * n + n + 1
-    table = _memory(table_address, torch.int64, 0, length).clone()
-    grid_seen = 0
-    for t, begin, end, flags, row in _blocks(table, n, roles, scalars, chunk):
-        grid_seen += 1
-        arr = lambda role, dtype: _memory(int(row(role)[t]), dtype, begin, end)  # noqa: E731
-        if stem == "bucket_copy":
-            arr(1, types[1]).copy_(arr(0, types[0]))
-        elif stem == "grad_norm":
-            max_mode, partials, flag_out, offset = args[3:]
-            x = arr(0, types[0]).float()
-            b = grid_seen - 1 + int(offset)
-            _memory(partials, torch.float32, b, b + 1)[0] = x.abs().max() if max_mode else x.square().sum()
-            _memory(flag_out, torch.uint8, b, b + 1)[0] = int(not torch.isfinite(x).all())
-        else:
-            scale = float(args[3]) * (float(_memory(args[4], torch.float32, 0, 1)[0]) if int(args[4]) else 1.0)
-            g = arr(1, types[0]).float() * scale
-            p = arr(0, torch.float32)
-            if stem == "fused_adam":
-                omb1, beta2, omb2, eps, wd, decay, decoupled, maximize = (float(a) for a in args[5:])
-                g = -g if maximize else g
-                if wd:
-                    if decoupled:
-                        p.mul_(decay)
-                    else:
-                        g = g + wd * p
-                step_size, bc2 = (float(table[(roles + 2 + s) * n + t].view(torch.float64)) for s in range(2))
-                m, v = arr(2, torch.float32), arr(3, torch.float32)
-                m.lerp_(g, omb1)
-                v.mul_(beta2).addcmul_(g, g, value=omb2)
-                p.addcdiv_(m, v.sqrt() / bc2 + eps, value=-step_size)
-                out_role = 4
-            else:
-                lr, momentum, omd, wd, nesterov, maximize = (float(a) for a in args[5:])
-                g = -g if maximize else g
-                g = g + wd * p if wd else g
-                if momentum:
-                    buf = arr(2, torch.float32)
-                    buf.copy_(g) if flags & 2 else buf.mul_(momentum).add_(g, alpha=omd)
-                    g = g + momentum * buf if nesterov else buf
-                p.add_(g, alpha=-lr)
-                out_role = 3
-            if types[1] is not None:
-                arr(out_role, types[1]).copy_(p)
-    assert grid_seen == grid
-
-
-@pytest.fixture
-def emulated_device(monkeypatch):
-    from zero_strategy.kernels import ops
-
-    from zero_strategy.kernels import optimizer
-
-    monkeypatch.setattr(ops, "available", lambda t: True)
-    monkeypatch.setattr(optimizer, "available", lambda t: True)
-    monkeypatch.setattr(ops, "launch", _emulate)
-
+# ---- the launch path, with the kernels emulated on host memory (tests/kernel_emulator.py) ---------
 
 def test_launch_path_adam_and_sgd(emulated_device):
     sizes = [0, 1, 7, 5000, 16384 * 2 + 3]  # several blocks per tensor
@@ -346,28 +233,25 @@ def test_launch_path_adam_and_sgd(emulated_device):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(results[0][1], results[1][1]):  # a weight a hair apart may round to the next fp16
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    # one launch per (gradient, output) dtype pair present, empty tensors in none: see [Note: when the kernels run]
+    assert emulated_device == {"adam_step<bf16_t, bf16_t>": 2, "adam_step<f16_t, no_out_t>": 2,
+                               "adam_step<float, bf16_t>": 2, "adam_step<bf16_t, no_out_t>": 2,
+                               "sgd_step<bf16_t, f16_t>": 1, "sgd_step<f16_t, f16_t>": 1, "sgd_step<float, f16_t>": 1}
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
-def test_launch_path_grad_norm_and_copies(emulated_device, norm_type):
+def test_launch_path_grad_norm(emulated_device, norm_type):
     sizes = [0, 3, 16384 + 1, 40000]
     tensors = [t.to(dt) for t, dt in zip(_tensors(30, sizes), [torch.float32, torch.bfloat16, torch.float16, torch.float32])]
     total, bad = kernels.grad_norm_and_overflow(tensors, norm_type)
     expected, _ = reference.grad_norm_and_overflow(tensors, norm_type)
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
     assert not bad
+    # one partials launch per dtype present, over its tensors' blocks, then one final reduction
+    assert emulated_device == {"grad_norm_partials<float>": 1, "grad_norm_partials<bf16_t>": 1,
+                               "grad_norm_partials<f16_t>": 1, "grad_norm_final": 1}
     tensors[3][39999] = float("nan")
     assert kernels.grad_norm_and_overflow(tensors, norm_type)[1]
-    flat = torch.full((sum(sizes) + 30,), float("nan"), dtype=torch.bfloat16)
-    offsets = [10, 0, 13, 16384 + 20]
-    kernels.flatten_into(tensors, flat, offsets)
-    expected_flat = flat.clone()
-    reference.flatten_into(tensors, expected_flat, offsets)
-    assert torch.equal(flat.view(torch.int16), expected_flat.view(torch.int16))
-    back = [torch.zeros_like(t) for t in tensors]
-    kernels.unflatten_from(flat, back, offsets)
-    for t, b, off in zip(tensors, back, offsets):
-        torch.testing.assert_close(b, flat[off : off + t.numel()].to(t.dtype), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("make", [lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01),
@@ -386,6 +270,8 @@ def test_launch_path_optimizer_step_keeps_torch_state(emulated_device, make):
             p.grad = None if (step == 0 and p is theirs[1]) else (g * 4).bfloat16().float() / 4
         assert kernels.optimizer_step(opt_ours, grad_scale=0.25, lowp_out=outs, grads=bf16) is True
         opt_theirs.step()
+    step_kernel = "sgd_step" if isinstance(opt_ours, torch.optim.SGD) else "adam_step"
+    assert emulated_device == {f"{step_kernel}<bf16_t, bf16_t>": 3}  # one launch per step: one group, one dtype pair
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(outs[a].float(), b.detach().bfloat16().float(), rtol=1e-2, atol=1e-5)

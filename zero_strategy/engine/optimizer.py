@@ -242,7 +242,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         elif kernels.available(grads[0]):  # one fused pass on CUDA: see [Note: kernels in the step]
             bad = kernels.grad_norm_and_overflow(grads)[1].to(torch.uint8).reshape(1)
         else:
-            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).to(torch.uint8).reshape(1)
+            norms = torch._foreach_norm(grads, dtype=torch.float32)  # fp32: an fp16 norm overflows by itself
+            bad = (~torch.isfinite(torch.stack(norms).sum())).to(torch.uint8).reshape(1)
         bad = bad.to(self._device)  # host gradients (offload) give a host flag; every rank takes part
         self.comm.all_reduce(bad, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of the overflow flag")
         self._step.overflow = bool(bad.item())
@@ -388,7 +389,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if grads and kernels.available(grads[0]) and float(norm_type) in (2.0, float("inf")):
             total = kernels.grad_norm_and_overflow(grads, norm_type)[0].double()  # sum of squares, or the max
         else:
-            norms = torch.stack(torch._foreach_norm(grads, norm_type)).double() if grads else torch.zeros(1, device=device)
+            nonempty = [g for g in grads if g.numel()]  # foreach has no inf-norm of an empty tensor
+            norms = (torch.stack(torch._foreach_norm(nonempty, norm_type, dtype=torch.float32)).double()
+                     if nonempty else torch.zeros(1, device=device))  # fp32: raw bf16/fp16 norms round or overflow
             total = norms.max() if inf else norms.pow(norm_type).sum()
         total = self._step.norm_power_of_raw(total, float(norm_type)).to(device)
         what = lambda: "all-reduce of the gradient norm for clipping"  # noqa: E731

@@ -10,15 +10,14 @@ reference everywhere.
     sgd_step(params, grads, momentum_buffers, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
              nesterov=False, maximize=False, grad_scale=1.0, lowp_out=None) -> momentum buffers
     grad_norm_and_overflow(tensors, norm_type=2.0, device=None) -> (total, nonfinite)
-    flatten_into(tensors, flat, offsets=None);  unflatten_from(flat, tensors, offsets=None)
     optimizer_step(optimizer, grad_scale=1.0, lowp_out=None, grads=None) -> bool  (False: call step())
     launch_counts() -> {source stem: kernels launched by this process}
 """
 
 from . import reference
 from .loader import available, backend, launch_counts, set_backend
-from .ops import adam_step, flatten_into, grad_norm_and_overflow, sgd_step, unflatten_from
+from .ops import adam_step, grad_norm_and_overflow, sgd_step
 from .optimizer import optimizer_step
 
-__all__ = ["adam_step", "available", "backend", "flatten_into", "grad_norm_and_overflow", "launch_counts",
-           "optimizer_step", "reference", "set_backend", "sgd_step", "unflatten_from"]
+__all__ = ["adam_step", "available", "backend", "grad_norm_and_overflow", "launch_counts", "optimizer_step",
+           "reference", "set_backend", "sgd_step"]

@@ -39,7 +39,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "fused_adam": tuple(f"adam_step<{g}, {o}>" for g, o in product(GRAD_TYPES, OUT_TYPES)),
     "fused_sgd": tuple(f"sgd_step<{g}, {o}>" for g, o in product(GRAD_TYPES, OUT_TYPES)),
     "grad_norm": tuple(f"grad_norm_partials<{g}>" for g in GRAD_TYPES) + ("grad_norm_final",),
-    "bucket_copy": tuple(f"copy_cast<{s}, {d}>" for s, d in product(GRAD_TYPES, GRAD_TYPES)),
 }
 """Every kernel each source defines, by the name CuPy looks it up with (its explicit instantiations)."""
 

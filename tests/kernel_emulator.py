@@ -1,0 +1,148 @@
+"""The CUDA kernels of cuda/*.cu emulated on host memory, so their launch path runs without a GPU.
+
+Without a GPU the CUDA code cannot run, but everything around it can: the engine's choice of the
+fused path, the dtype grouping, the tensor-list table and the argument order of every launch. This
+emulator replaces ``zero_strategy.kernels.ops.launch`` and reads the table and the arguments exactly
+as cuda/*.cu does (addresses included: CPU tensors' memory), so a table or argument mistake fails
+here. Numerics are the kernels' formulas in torch fp32, in the kernels' order of operations.
+
+    with emulated_kernels() as launched:     # a Counter: kernel name -> launches
+        ...                                  # CPU tensors now take the kernels' path
+    emulated_device                          # the same as a pytest fixture
+
+[Note: what the emulator patches]
+``available`` says whether a tensor's operations would run the kernels; it is bound by name in three
+modules (the package face, ops.py and optimizer.py), and every one is patched, so the engine (which
+asks ``zero_strategy.kernels.available``) and the kernel functions agree that CPU tensors take the
+CUDA path, unless the backend is forced to torch (``set_backend("torch")``), as on a GPU.
+``ops.launch`` is the one place a kernel starts; the emulator counts each launch by its full name
+(``adam_step<bf16_t, bf16_t>``: the gradient and output dtypes the launch read and wrote).
+Everything is put back on exit, so a pooled worker process (tests/distributed.py) is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections import Counter
+from typing import Iterator
+
+import pytest
+import torch
+
+_TYPES = {"float": torch.float32, "bf16_t": torch.bfloat16, "f16_t": torch.float16, "no_out_t": None}
+_ROLES = {"fused_adam": (5, 2), "fused_sgd": (4, 0), "grad_norm": (1, 0)}
+"""Per source: (pointer roles, float64 scalar rows) of its table, as in the .cu file's enums."""
+
+
+def _memory(address: int, dtype: torch.dtype, begin: int, end: int) -> torch.Tensor:
+    """Elements [begin, end) of the ``dtype`` array at ``address`` (host memory), as a tensor over it."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = (ctypes.c_char * ((end - begin) * size)).from_address(int(address) + begin * size)
+    return torch.frombuffer(raw, dtype=dtype)
+
+
+def _blocks(table: torch.Tensor, n: int, roles: int, scalars: int, chunk: int):
+    """(tensor index, begin, end, flags, row) of every block, found as the CUDA code finds them."""
+    row = lambda r: table[r * n : (r + 1) * n]  # noqa: E731
+    first = table[(roles + 2 + scalars) * n : (roles + 2 + scalars) * n + n + 1].tolist()
+    for b in range(first[-1]):
+        t = max(i for i in range(n) if first[i] <= b)
+        begin = (b - first[t]) * chunk
+        yield t, begin, min(begin + chunk, int(row(roles)[t])), int(row(roles + 1)[t]), row
+
+
+def _grad_norm_final(args) -> None:
+    partials, flags, count, max_mode, total, nonfinite = args
+    p = _memory(partials, torch.float32, 0, int(count)).double()
+    _memory(total, torch.float32, 0, 1)[0] = (p.max() if max_mode else p.sum()).float()
+    _memory(nonfinite, torch.bool, 0, 1)[0] = bool(_memory(flags, torch.uint8, 0, int(count)).any())
+
+
+def emulate(stem: str, name: str, device: torch.device, grid: int, block: int, args) -> None:
+    """Run kernel ``name`` of ``cuda/<stem>.cu`` on host memory; the signature of ``ops.launch``."""
+    types = [_TYPES[a.strip()] for a in name.partition("<")[2].rstrip(">").split(",")] if "<" in name else []
+    if name == "grad_norm_final":
+        _grad_norm_final(args)
+        return
+    table_address, n, chunk = int(args[0]), int(args[1]), int(args[2])
+    roles, scalars = _ROLES[stem]
+    length = (roles + 2 + scalars) * n + n + 1
+    table = _memory(table_address, torch.int64, 0, length).clone()
+    grid_seen = 0
+    for t, begin, end, flags, row in _blocks(table, n, roles, scalars, chunk):
+        grid_seen += 1
+        arr = lambda role, dtype: _memory(int(row(role)[t]), dtype, begin, end)  # noqa: E731
+        if stem == "grad_norm":
+            max_mode, partials, flag_out, offset = args[3:]
+            x = arr(0, types[0]).float()
+            b = grid_seen - 1 + int(offset)
+            _memory(partials, torch.float32, b, b + 1)[0] = x.abs().max() if max_mode else x.square().sum()
+            _memory(flag_out, torch.uint8, b, b + 1)[0] = int(not torch.isfinite(x).all())
+            continue
+        scale = float(args[3]) * (float(_memory(args[4], torch.float32, 0, 1)[0]) if int(args[4]) else 1.0)
+        g = arr(1, types[0]).float() * scale
+        p = arr(0, torch.float32)
+        if stem == "fused_adam":
+            omb1, beta2, omb2, eps, wd, decay, decoupled, maximize = (float(a) for a in args[5:])
+            g = -g if maximize else g
+            if wd:
+                if decoupled:
+                    p.mul_(decay)
+                else:
+                    g = g + wd * p
+            step_size, bc2 = (float(table[(roles + 2 + s) * n + t].view(torch.float64)) for s in range(2))
+            m, v = arr(2, torch.float32), arr(3, torch.float32)
+            m.lerp_(g, omb1)
+            v.mul_(beta2).addcmul_(g, g, value=omb2)
+            p.addcdiv_(m, v.sqrt() / bc2 + eps, value=-step_size)
+            out_role = 4
+        else:
+            lr, momentum, omd, wd, nesterov, maximize = (float(a) for a in args[5:])
+            g = -g if maximize else g
+            g = g + wd * p if wd else g
+            if momentum:
+                buf = arr(2, torch.float32)
+                buf.copy_(g) if flags & 2 else buf.mul_(momentum).add_(g, alpha=omd)
+                g = g + momentum * buf if nesterov else buf
+            p.add_(g, alpha=-lr)
+            out_role = 3
+        if types[1] is not None:
+            arr(out_role, types[1]).copy_(p)
+    assert grid_seen == grid, f"{name}: launched with grid {grid}, but its table describes {grid_seen} blocks"
+
+
+@contextlib.contextmanager
+def emulated_kernels() -> Iterator[Counter]:
+    """CPU tensors take the CUDA kernels' path, run by ``emulate``; yields the launches by kernel name.
+    See [Note: what the emulator patches]."""
+    import zero_strategy.kernels as face  # noqa: PLC0415  (the package face: what the engine asks)
+    from zero_strategy.kernels import loader, ops, optimizer  # noqa: PLC0415
+
+    launched: Counter = Counter()
+
+    def launch(stem, name, device, grid, block, args):
+        if grid:
+            launched[name] += 1
+            emulate(stem, name, device, grid, block, args)
+
+    def available(tensor: torch.Tensor) -> bool:  # loader.available, with host memory standing in for CUDA
+        return loader.backend() == "auto"
+
+    patches = [(face, "available", available), (ops, "available", available), (optimizer, "available", available),
+               (ops, "launch", launch)]
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
+    try:
+        for module, attr, value in patches:
+            setattr(module, attr, value)
+        yield launched
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
+@pytest.fixture
+def emulated_device() -> Iterator[Counter]:
+    """``emulated_kernels()`` for one test; the value is its Counter of launches."""
+    with emulated_kernels() as launched:
+        yield launched
