@@ -92,7 +92,7 @@ def formula_bytes(name: str, n_params: int, world: int) -> Optional[int]:
     if estimate_memory is None:
         return None
     stage, n = {"ddp": (0, world), "local": (0, 1), "zero1": (1, world), "zero2": (2, world), "zero3": (3, world),
-"fsdp2": (3, world), "deepspeed3": (3, world)}[name]
+                "zero3_default": (3, world), "fsdp2": (3, world), "deepspeed3": (3, world)}[name]
     return estimate_memory(n_params, stage=stage, world_size=n, precision="32-true")["total"]
 
 

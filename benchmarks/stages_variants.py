@@ -28,8 +28,10 @@ try:  # written in parallel; stage 3 is left out where it does not exist
 except ImportError:
     gathered_parameters = None
 
-VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "deepspeed3", "local")
-"""local: the same training without any communication (each rank alone), the compute floor."""
+VARIANTS = ("ddp", "zero1", "zero2", "zero3", "zero3_default", "fsdp2", "deepspeed3", "local")
+"""zero3_default: stage 3 with no option but the bucket size (units chosen by size, as
+``strategy="zero_stage_3"`` chooses them); local: the same training without any communication (each
+rank alone), the compute floor."""
 DEFAULT_VARIANTS = "ddp,zero1,zero2,zero3,fsdp2,deepspeed3"
 
 
@@ -242,8 +244,9 @@ def build_variant(name: str, args: argparse.Namespace, width: int) -> Variant:
         v = Variant(name, model, model, opt)
         instrument_zero(opt, v._current)
         return v
-    if name == "zero3":
-        config = ZeroConfig(stage=3, bucket_cap_mb=args.bucket_cap_mb, shard_modules=(ResidualBlock.__name__,))
+    if name in ("zero3", "zero3_default"):
+        units = {"shard_modules": (ResidualBlock.__name__,)} if name == "zero3" else {}
+        config = ZeroConfig(stage=3, bucket_cap_mb=args.bucket_cap_mb, **units)
         sharder = shard_module(model, config)
         opt = ZeroOptimizer(inner, config, sharder=sharder)
         v = Variant(name, model, model, opt, sharder=sharder)
