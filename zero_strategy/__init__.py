@@ -1,8 +1,9 @@
 """ZeRO sharded training for PyTorch Lightning.
 
 Importing the package registers ``"zero_stage_1"``, ``"zero_stage_2"``, ``"zero_stage_3"``,
-``"zero_stage_2_offload"`` and ``"zero_stage_3_offload"`` with Lightning's StrategyRegistry, so
-``Trainer(strategy="zero_stage_2")`` works, without importing Lightning itself: see
+``"zero_stage_2_offload"`` and ``"zero_stage_3_offload"`` with Lightning's StrategyRegistry and
+Fabric's, so ``Trainer(strategy="zero_stage_2")`` and ``Fabric(strategy="zero_stage_2")`` work,
+without importing Lightning itself: see
 [Note: a lazy package face] and [Note: registering with Lightning lazily].
 
 [Note: a lazy package face]
@@ -10,7 +11,7 @@ The public names below are imported from their modules on first use (PEP 562's m
 ``__getattr__``), and so are the subpackages (``zero_strategy.engine``, ``.kernels``, ...). So
 ``import zero_strategy`` costs milliseconds, and the Lightning-free parts (``ZeroConfig``,
 ``ZeroOptimizer``, ``estimate_memory``, the engine and the kernels) import without Lightning, Hydra
-or rich; ``ZeroStrategy`` and ``ZeroPrecision`` import Lightning when first named.
+or rich; ``ZeroStrategy``, ``ZeroPrecision`` and the Fabric names import Lightning when first named.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below imports these
     from .activation import (SavedActivationMeter, apply_activation_checkpointing, offload_activations,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
     from .deepspeed.launch import init_distributed
     from .engine import ZeroOptimizer
     from .engine.parameters import gathered_parameters
+    from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
     from .memory import count_parameters, estimate_memory, memory_stats
     from .precision import ZeroPrecision
     from .strategy import ZeroStrategy
@@ -43,9 +45,10 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",
     "ZeroStrategy": "strategy",
+    "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "deepspeed_config", "engine",
-               "kernels", "memory", "models", "precision", "strategy")
+               "fabric", "frontend", "kernels", "memory", "models", "precision", "strategy")
 
 __all__ = sorted(_PUBLIC_NAMES)
 
@@ -69,37 +72,36 @@ def __dir__() -> list[str]:
 # ---- registration with Lightning's StrategyRegistry ------------------------------------------
 
 # [Note: registering with Lightning lazily]
-# Lightning's StrategyRegistry lives in ``lightning.pytorch.strategies`` and only scans Lightning's
-# own classes, so a third-party strategy registers itself when its package is imported. Importing
-# Lightning here would cost seconds and tie the engine to it, so:
-# - if ``lightning.pytorch.strategies`` is already imported, the names are registered now;
+# Lightning's registries (the Trainer's ``StrategyRegistry`` in ``lightning.pytorch.strategies``,
+# Fabric's ``STRATEGY_REGISTRY`` in ``lightning.fabric.strategies``) only scan Lightning's own
+# classes, so a third-party strategy registers itself when its package is imported. Importing
+# Lightning here would cost seconds and tie the engine to it, so, for each of the two modules:
+# - if it is already imported, the names are registered now;
 # - otherwise a post-import hook (a finder at the front of ``sys.meta_path``, as ``wrapt.when_imported``
-#   does it) waits for that module: when Python has executed it, the names are registered, before
-#   any Trainer can exist. The hook stays installed, so a re-import of Lightning's module (a test
-#   that purges sys.modules, importlib.reload) registers again; it costs one string comparison per
-#   import.
-# The registry holds ``_zero_strategy`` for each name, a function that imports ZeroStrategy when a
-# Trainer asks for the name: registering the class itself would import this package's Lightning
-# code in the middle of Lightning's own import (circular), or import Lightning now. Lightning only
-# ever calls the entry (``StrategyRegistry.get(name)``), so a function serves as well as the class.
+#   does it) waits for it: when Python has executed it, the names are registered, before any Trainer
+#   or Fabric can exist. The hook stays installed, so a re-import of Lightning's module (a test that
+#   purges sys.modules, importlib.reload) registers again; it costs one string comparison per import.
+# The registries hold ``_zero_strategy`` (``_zero_fabric_strategy``) for each name, a function that
+# imports ZeroStrategy (ZeroFabricStrategy) when a Trainer (Fabric) asks for the name: registering
+# the class itself would import this package's Lightning code in the middle of Lightning's own import
+# (circular), or import Lightning now. Lightning only ever calls the entry (``registry.get(name)``),
+# so a function serves as well as the class.
 # Chosen over the alternatives: entry points (Lightning reads none for strategies), registering in
 # ZeroStrategy's module (only runs once someone names ZeroStrategy, so ``Trainer(strategy=
 # "zero_stage_3")`` after a bare ``import zero_strategy`` would fail), and importing Lightning when
 # it is installed (the seconds this note is about).
 
 STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
-    # name: (description, ZeroStrategy arguments)
-    "zero_stage_1": ("ZeRO stage 1 (ZeroStrategy)", {"stage": 1}),
-    "zero_stage_2": ("ZeRO stage 2 (ZeroStrategy)", {"stage": 2}),
-    "zero_stage_3": ("ZeRO stage 3 (ZeroStrategy)", {"stage": 3}),
-    "zero_stage_2_offload": ("ZeRO stage 2, optimizer state and master weights in host memory (ZeroStrategy)",
+    # name: (description, ZeroStrategy and ZeroFabricStrategy arguments)
+    "zero_stage_1": ("ZeRO stage 1", {"stage": 1}),
+    "zero_stage_2": ("ZeRO stage 2", {"stage": 2}),
+    "zero_stage_3": ("ZeRO stage 3", {"stage": 3}),
+    "zero_stage_2_offload": ("ZeRO stage 2, optimizer state and master weights in host memory",
                              {"stage": 2, "offload_optimizer": True}),
-    "zero_stage_3_offload": ("ZeRO stage 3, optimizer state, master weights and parameter shards in host memory "
-                             "(ZeroStrategy)", {"stage": 3, "offload_optimizer": True, "offload_params": True}),
+    "zero_stage_3_offload": ("ZeRO stage 3, optimizer state, master weights and parameter shards in host memory",
+                             {"stage": 3, "offload_optimizer": True, "offload_params": True}),
 }
-"""The names ``Trainer(strategy=...)`` accepts for ZeroStrategy, with what each one sets."""
-
-_LIGHTNING_STRATEGIES = "lightning.pytorch.strategies"  # the module that defines StrategyRegistry
+"""The names ``Trainer(strategy=...)`` and ``Fabric(strategy=...)`` accept, with what each one sets."""
 
 
 def _zero_strategy(**kwargs: Any) -> Any:
@@ -109,23 +111,45 @@ def _zero_strategy(**kwargs: Any) -> Any:
     return ZeroStrategy(**kwargs)
 
 
-def register_strategy_names(registry: Any, strategy: Callable[..., Any] = _zero_strategy) -> None:
-    """Register ``STRATEGY_NAMES`` with a Lightning StrategyRegistry, each built by ``strategy``
-    (a function or class taking ZeroStrategy's arguments). Names already there are left as they
-    are, so calling it again is harmless."""
+def _zero_fabric_strategy(**kwargs: Any) -> Any:
+    """A ZeroFabricStrategy built from a registered name's arguments (see [Note: registering with Lightning lazily])."""
+    from .fabric import ZeroFabricStrategy
+
+    return ZeroFabricStrategy(**kwargs)
+
+
+_REGISTRIES: dict[str, tuple[str, Callable[..., Any]]] = {
+    # the module that defines a registry: (the registry's name in it, what builds our strategy)
+    "lightning.pytorch.strategies": ("StrategyRegistry", _zero_strategy),
+    "lightning.fabric.strategies": ("STRATEGY_REGISTRY", _zero_fabric_strategy),
+}
+_LABELS = {_zero_strategy: "ZeroStrategy", _zero_fabric_strategy: "ZeroFabricStrategy"}
+
+
+def register_strategy_names(registry: Any, strategy: Optional[Callable[..., Any]] = None) -> None:
+    """Register ``STRATEGY_NAMES`` with a Lightning strategy registry, each built by ``strategy`` (a
+    function or class taking ZeroStrategy's arguments; by default ZeroStrategy for the Trainer's
+    registry and ZeroFabricStrategy for Fabric's). Names already there are left as they are, so
+    calling it again is harmless."""
+    if strategy is None:
+        strategy = next((build for module, (attribute, build) in _REGISTRIES.items()
+                         if getattr(sys.modules.get(module), attribute, None) is registry), _zero_strategy)
+    label = _LABELS.get(strategy, getattr(strategy, "__name__", "ZeRO"))
     for name, (description, kwargs) in STRATEGY_NAMES.items():
         if name not in registry:
-            registry.register(name, strategy, description=description, **kwargs)
+            registry.register(name, strategy, description=f"{description} ({label})", **kwargs)
 
 
 def _register_with_loaded_lightning() -> None:
-    registry = getattr(sys.modules.get(_LIGHTNING_STRATEGIES), "StrategyRegistry", None)
-    if registry is not None:
-        register_strategy_names(registry)
+    for module, (attribute, strategy) in _REGISTRIES.items():
+        registry = getattr(sys.modules.get(module), attribute, None)
+        if registry is not None:
+            register_strategy_names(registry, strategy)
 
 
 class _RunAfterImport:
-    """A ``sys.meta_path`` finder that runs ``callback`` each time module ``name`` has been executed.
+    """A ``sys.meta_path`` finder that runs ``callback`` each time one of the modules ``names`` has
+    been executed.
 
     It finds nothing itself: it asks the finders behind it for ``name``'s spec and wraps that
     spec's loader (see ``_LoaderThenCallback``); every other import passes straight through.
@@ -133,12 +157,12 @@ class _RunAfterImport:
 
     zero_strategy_hook = True  # how a reloaded zero_strategy recognises an installed hook
 
-    def __init__(self, name: str, callback: Callable[[], None]) -> None:
-        self.name = name
+    def __init__(self, names: tuple[str, ...], callback: Callable[[], None]) -> None:
+        self.names = names
         self.callback = callback
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
+        if fullname not in self.names:
             return None
         for finder in sys.meta_path:
             find_spec = getattr(finder, "find_spec", None)
@@ -151,9 +175,10 @@ class _RunAfterImport:
                 spec.loader = _LoaderThenCallback(spec.loader, self.callback)
             else:  # a legacy loader runs the module in a way that cannot be followed
                 warnings.warn(f"zero_strategy cannot follow the import of {fullname} (its loader {spec.loader!r} has "
-                              "no exec_module), so Trainer(strategy='zero_stage_2') and the other names may be "
-                              "unknown: call zero_strategy.register_strategy_names(StrategyRegistry) after importing "
-                              "Lightning, or pass ZeroStrategy(...) itself.", stacklevel=2)
+                              "no exec_module), so Trainer(strategy='zero_stage_2') (or Fabric's) and the other "
+                              "names may be unknown: call zero_strategy.register_strategy_names(registry) after "
+                              "importing Lightning, or pass ZeroStrategy(...) (ZeroFabricStrategy(...)) itself.",
+                              stacklevel=2)
             return spec
         return None
 
@@ -179,4 +204,4 @@ class _LoaderThenCallback:
 
 _register_with_loaded_lightning()
 if not any(getattr(finder, "zero_strategy_hook", False) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _RunAfterImport(_LIGHTNING_STRATEGIES, _register_with_loaded_lightning))
+    sys.meta_path.insert(0, _RunAfterImport(tuple(_REGISTRIES), _register_with_loaded_lightning))

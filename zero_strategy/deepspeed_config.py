@@ -5,7 +5,8 @@ the Lightning side of it, applied at three moments:
 
 - construction: the engine settings (stage, offload, buckets, stage-3 options) and, when the config
   enables fp16 or bf16, the precision plugin with DeepSpeed's loss-scaling knobs. A ZeroStrategy
-  argument given explicitly with another value than the config's is an error naming both.
+  argument given explicitly with another value than the config's is an error naming both. This part
+  is shared with ZeroFabricStrategy: ``engine_settings`` in frontend/options.py.
 - setup: the Trainer's accumulation, clipping and precision are checked against the config (an
   error naming both values when they disagree), and the config's values the Trainer does not have
   are applied to it (accumulation, clipping by norm: DeepSpeed clips at 1.0 when the config does not
@@ -16,48 +17,19 @@ the Lightning side of it, applied at three moments:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-from typing import Any, Mapping, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-from .config import ZeroConfig
-from .deepspeed.config import (DeepSpeedConfigError, DeepSpeedSettings, check_against_trainer,
-                               map_deepspeed_config, resolve_batch_sizes)
+from .deepspeed.config import DeepSpeedConfigError, DeepSpeedSettings, check_against_trainer, resolve_batch_sizes
+from .frontend.options import DeepSpeedConfig, engine_settings
+
+__all__ = ["DeepSpeedConfig", "apply_to_trainer", "check_batch_size", "engine_settings", "optimizers_from_config"]
 
 log = logging.getLogger(__name__)
-
-DeepSpeedConfig = Union[Mapping[str, Any], str, os.PathLike]
-
-
-def engine_settings(config: DeepSpeedConfig, arguments: Mapping[str, Any]) -> tuple[DeepSpeedSettings, dict]:
-    """The config's mapping and the ZeroConfig arguments that follow from it and from ``arguments``
-    (ZeroStrategy's, as passed: those equal to ZeroConfig's defaults count as not given)."""
-    settings = map_deepspeed_config(config)
-    from_config = dict(settings.strategy)
-    if from_config.get("stage", 0) == 0:
-        raise DeepSpeedConfigError(
-            "the DeepSpeed config has no zero_optimization stage (DeepSpeed's stage 0: plain data parallelism, "
-            "which ZeroStrategy does not run); add \"zero_optimization\": {\"stage\": 2} (1, 2 or 3), or train with "
-            "strategy=\"ddp\".")
-    defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
-    given = {k: v for k, v in arguments.items() if k in defaults and v != defaults[k]}
-    conflicts = [f"{k}={given[k]!r} given to ZeroStrategy, {k}={from_config[k]!r} from the config"
-                 for k in sorted(given.keys() & from_config.keys()) if _normal(given[k]) != _normal(from_config[k])]
-    if conflicts:
-        raise DeepSpeedConfigError("ZeroStrategy's arguments and its DeepSpeed config disagree: " + "; ".join(conflicts)
-                                   + ". Give each setting in one place.")
-    return settings, {**arguments, **from_config, **given}
-
-
-def _normal(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
-
 
 def apply_to_trainer(settings: DeepSpeedSettings, trainer: "pl.Trainer", world_size: int) -> None:
     """Check the Trainer against the config, then give it the config's accumulation and clipping."""

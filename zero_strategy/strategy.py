@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 from collections.abc import Generator, Mapping, Sequence
@@ -17,16 +16,10 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
@@ -34,34 +27,29 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
-from .activation import apply_activation_checkpointing, offload_activations
-from .checkpoint import (CheckpointError, CheckpointReader, align_optimizer_state, is_deepspeed_checkpoint,
-                         is_sharded_checkpoint, load_model, load_optimizers, read_deepspeed_checkpoint, save_sharded)
+from .activation import offload_activations
+from .checkpoint import is_deepspeed_checkpoint, is_sharded_checkpoint
 from .checkpoint.deepspeed import fit_to_module
-from .checkpoint.sharded import masters_from_state_dict, on_every_rank, parameter_names
+from .checkpoint.sharded import masters_from_state_dict, on_every_rank
 from .config import ZeroConfig
 from .deepspeed.config import DeepSpeedSettings
-from .deepspeed_config import DeepSpeedConfig, apply_to_trainer, check_batch_size, engine_settings, optimizers_from_config
-from .engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
+from .deepspeed_config import DeepSpeedConfig, apply_to_trainer, check_batch_size, optimizers_from_config
+from .engine import Collectives, ParameterSharder, ZeroOptimizer
 from .engine.watchdog import install_sigterm_handler
+from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,
+                       load_sharded_optimizers, move_module, open_sharded, read_deepspeed, save_sharded_model,
+                       setup_engine)
+from .frontend.options import barrier, broadcast_object, check_world_size, process_group_backend, read_options
+from .frontend.setup import engine_config
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
 
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_STATE_DICT_TYPES = ("sharded", "full")
 _SHARDED = "_zero_sharded_checkpoint"  # a loaded checkpoint's reader, for the load hooks below
-
-
-def _as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:
-    """The process group's timeout: a timedelta, or a number of seconds (converted), or None."""
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-        return timedelta(seconds=timeout)
-    raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta or a positive number of seconds (the "
-                     "process group's timeout; the default is 30 minutes).")
+# what Lightning's restore requires of a checkpoint, which one that another front end wrote (Fabric's,
+# initialize's) lacks: the weights, optimizer state and loss scale resume, the loops start anew
+_TRAINER_DEFAULTS: dict[str, Any] = {"lr_schedulers": [], "pytorch-lightning_version": pl.__version__}
 
 
 class _FullWeightsLauncher(_MultiProcessingLauncher):
@@ -138,31 +126,22 @@ class ZeroStrategy(ParallelStrategy):
             offload_activations=offload_activations, check_unit_order=check_unit_order,
             collective_timeout=collective_timeout,
         )
-        self.deepspeed: Optional[DeepSpeedSettings] = None  # what a DeepSpeed config says: see deepspeed_config.py
-        if config is not None:
-            self.deepspeed, engine = engine_settings(config, engine)
-            if precision_plugin is None and self.deepspeed.precision is not None:
-                precision_plugin = ZeroPrecision(self.deepspeed.precision, **self.deepspeed.precision_kwargs)
-        self.config = ZeroConfig(**engine)
-        if state_dict_type not in _STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type={state_dict_type!r} is not one of {_STATE_DICT_TYPES}: 'sharded' (the "
-                             "default) saves a checkpoint directory, each rank writing what it owns; 'full' gathers "
-                             "the whole state and rank 0 saves one file.")
-        self.state_dict_type = state_dict_type
-        if not isinstance(verify_checkpoints, bool):
-            raise ValueError(f"verify_checkpoints={verify_checkpoints!r} must be True (check every part read against "
-                             "its checksum) or False (load a huge checkpoint you trust without the check).")
-        self.verify_checkpoints = verify_checkpoints
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}; 'popen' (the default) "
-                             "re-runs your script once per device, as DDP does.")
+        options = read_options(engine, state_dict_type=state_dict_type, verify_checkpoints=verify_checkpoints,
+                               start_method=start_method, timeout=timeout, config=config)
+        self.deepspeed: Optional[DeepSpeedSettings] = options.deepspeed  # see deepspeed_config.py
+        if precision_plugin is None and options.precision_from_config is not None:
+            name, kwargs = options.precision_from_config
+            precision_plugin = ZeroPrecision(name, **kwargs)
+        self.config: ZeroConfig = options.config
+        self.state_dict_type = options.state_dict_type
+        self.verify_checkpoints = options.verify_checkpoints
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._timeout = _as_timedelta(timeout)
-        self._start_method = start_method
+        self._timeout = options.timeout
+        self._start_method = options.start_method
         self._comm: Optional[Collectives] = None  # every collective of the engine, once the process group exists
         self._sharder: Optional[ParameterSharder] = None  # the model's flat groups, once set up
 
@@ -219,19 +198,12 @@ class ZeroStrategy(ParallelStrategy):
     def _setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        if backend == "nccl" and self.root_device.type != "cuda":
-            raise ValueError(f"process_group_backend='nccl' needs CUDA devices, but this rank runs on "
-                             f"{self.root_device}; use 'gloo' (the default on CPU) or accelerator='cuda'.")
-        self._process_group_backend = backend
+        self._process_group_backend = process_group_backend(self._process_group_backend, self.root_device)
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        if dist.get_world_size() != self.world_size:
-            raise RuntimeError(
-                f"the process group has {dist.get_world_size()} processes but the Trainer expects "
-                f"{self.world_size} (num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many "
-                "processes as Trainer(devices=..., num_nodes=...) asks for."
-            )
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        check_world_size(self.world_size, "the Trainer",
+                         f"(num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many processes as "
+                         "Trainer(devices=..., num_nodes=...) asks for.")
         self._comm = Collectives(collective_timeout=self.config.collective_timeout)
 
     @property
@@ -244,41 +216,28 @@ class ZeroStrategy(ParallelStrategy):
     # ---- model and optimizers --------------------------------------------------------------
 
     def setup(self, trainer: "pl.Trainer") -> None:
-        # Order matters: configure_optimizers runs while parameters still have their shapes (code
-        # that groups by p.dim() sees real ones); at stage 3 the sharding comes next, then the
-        # optimizers are replaced by ZeroOptimizers over the shards.
+        # the engine's ordered setup (see [Note: the order of setup]); configure_optimizers is its step 4,
+        # while parameters still have their shapes, and only when fitting
         assert self.accelerator is not None
         if self.deepspeed is not None:
             apply_to_trainer(self.deepspeed, trainer, self.world_size)
         self.accelerator.setup(trainer)
         assert self.model is not None
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if self.config.activation_checkpointing:  # instance forwards only: classes and state_dict keys stay
-            apply_activation_checkpointing(self.model, self.config.activation_checkpointing,
-                                           self.config.activation_checkpointing_interval,
-                                           offload=self.config.offload_activations)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and not any(p.requires_grad for p in self.model.parameters()):
             raise ValueError(f"{type(self.lightning_module).__name__} has no trainable parameter (every requires_grad "
                              "is False), so there is nothing to fit; unfreeze the parameters to train "
                              "(requires_grad_(True)), or call trainer.validate/test/predict instead.")
-        if fitting:
+
+        def configure_optimizers() -> list[torch.optim.Optimizer]:
             self.setup_optimizers(trainer)
-        if self.config.stage == 3:
-            self._shard_model()
-        else:
-            _sync_module_states(self.model)  # every rank starts from rank 0's weights and buffers
-            if fitting:  # the flat groups of this fit's optimizers (see [Note: one owner of the flat groups])
-                self._sharder = shard_module(self.model, self.engine_config, self.comm, self.root_device,
-                                             self.optimizers)
+            return self.optimizers
+
+        engine = setup_engine(self.model, self.config, self.precision_plugin.working, self.comm, self.root_device,
+                              configure_optimizers if fitting else (), sharder=self._sharder)
+        self._sharder = engine.sharder
         if fitting:
-            scaler = self.precision_plugin.scaler
-            self.optimizers = [
-                opt if isinstance(opt, ZeroOptimizer)
-                else ZeroOptimizer(opt, self.engine_config, sharder=self._sharder, scaler=scaler)
-                for opt in self.optimizers
-            ]
+            self.optimizers = list(engine.optimizers)
         self.setup_precision_plugin()
         if fitting:
             self._point_schedulers_at_zero_optimizers()
@@ -304,30 +263,21 @@ class ZeroStrategy(ParallelStrategy):
                 if config.scheduler.optimizer is opt.optim:
                     config.scheduler.optimizer = opt
 
-    def _shard_model(self) -> None:
-        """Stage 3: shard the parameters (once: a model stays sharded between fit and test)."""
-        assert self.model is not None
-        if self._sharder is None or self._sharder.module is not self.model:
-            for buffer in self.model.buffers():  # parameters are broadcast unit by unit while sharding
-                if not buffer.is_meta:
-                    self.comm.broadcast(buffer, src=0, what=lambda: "broadcast of the module's buffers")
-            self._sharder = shard_module(self.model, self.engine_config, self.comm, self.root_device,
-                                         self.optimizers)
-        else:  # Lightning's teardown moved the module to the CPU (on CUDA), detaching the whole parameters
-            for g in self._sharder.resident:
-                g.adopt_params()
-
     @property
     def engine_config(self) -> ZeroConfig:
         """The strategy's settings, with master weights as the precision plugin asks."""
-        return dataclasses.replace(self.config, master_weights=self.precision_plugin.master_weights)
+        return engine_config(self.config, self.precision_plugin.working)
+
+    @property
+    def _engine(self) -> EngineModel:
+        """The module, its sharder and optimizers as the shared checkpoint code takes them."""
+        assert self.lightning_module is not None
+        return EngineModel(self.lightning_module, self.engine_config, self.precision_plugin.working, self.comm,
+                           self.root_device, self._sharder, self._zero_optimizers)
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        device = self.root_device
-        # modules built under model_sharded_context stay on meta: they are materialised on the
-        # device unit by unit while sharding
-        self.model._apply(lambda t: t if t.is_meta else t.to(device))
+        move_module(self.model, self.root_device)  # meta tensors stay: see [Note: the order of setup]
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -412,69 +362,56 @@ class ZeroStrategy(ParallelStrategy):
         return super().optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Sharded: every rank writes its pieces into the directory ``filepath``, atomically. Full: rank 0
-        writes one file through the CheckpointIO plugin."""
+        """Sharded: every rank writes its pieces into the directory ``filepath``, atomically (see [Note: one
+        checkpoint format for every front end]). Full: rank 0 writes one file through the CheckpointIO plugin."""
         if self.state_dict_type == "full":
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"storage_options={storage_options!r} is not supported by sharded checkpoints, which are "
                             "written by the strategy, not a CheckpointIO plugin; use state_dict_type='full' for it.")
-        assert self.lightning_module is not None
-        save_sharded(filepath, checkpoint, self.lightning_module, self._zero_optimizers, self._sharder, self.comm,
-                     self.config.stage)
+        save_sharded_model(filepath, checkpoint, self._engine)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A sharded directory (any world size and stage), a DeepSpeed checkpoint directory, or a regular
-        file, never unpickling arbitrary objects unless ``weights_only=False`` is passed for a file. A
-        checkpoint that fails to open on any rank fails on every rank."""
-        opened: dict[str, Any] = {}
+        """A sharded directory (any world size and stage; also one that ZeroFabricStrategy or ``initialize``
+        wrote), a DeepSpeed checkpoint directory, or a regular file, never unpickling arbitrary objects
+        unless ``weights_only=False`` is passed for a file. A checkpoint that fails to open on any rank
+        fails on every rank."""
         if is_deepspeed_checkpoint(checkpoint_path):  # DeepSpeed's (or Lightning's DeepSpeedStrategy's) directory
-            on_every_rank(self.comm, lambda: opened.update(checkpoint=read_deepspeed_checkpoint(checkpoint_path)))
+            checkpoint = read_deepspeed(checkpoint_path, self.comm)
             assert self.lightning_module is not None  # DeepSpeed trained the bare model: names may lack a prefix
-            return fit_to_module(opened["checkpoint"], list(self.lightning_module.state_dict(keep_vars=True)))
+            return fit_to_module(checkpoint, list(self.lightning_module.state_dict(keep_vars=True)))
         if not is_sharded_checkpoint(checkpoint_path) and Path(checkpoint_path).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
-
-        def open_sharded() -> None:  # raises, naming what is wrong, for anything that is not a checkpoint
-            reader = CheckpointReader(checkpoint_path, verify=self.verify_checkpoints)
-            opened.update(reader=reader, checkpoint=reader.trainer_state())
-
-        on_every_rank(self.comm, open_sharded)
-        reader, checkpoint = opened["reader"], opened["checkpoint"]
-        saved = checkpoint.pop("zero_checkpoint", None)
-        if saved is None:
-            raise CheckpointError(f"{checkpoint_path} has no zero_checkpoint entry in its trainer state: it was not "
-                                  "written by ZeroStrategy.")
+        reader, checkpoint, saved = open_sharded(checkpoint_path, self.comm, self.verify_checkpoints)
         checkpoint["state_dict"] = {}  # loaded from the rank files by load_model_state_dict
         if saved["optimizers"] is not None:
             checkpoint["optimizer_states"] = [{} for _ in saved["optimizers"]]
+        if "loops" not in checkpoint:
+            rank_zero_warn(f"{checkpoint_path} was written by another front end than the Trainer (Fabric, or "
+                           "initialize's save_checkpoint): the weights, optimizer state and loss scale are restored; "
+                           "the loops, LR schedulers and callbacks start anew (its own keys are in the checkpoint "
+                           "dict that LightningModule.on_load_checkpoint receives).")
+            for key, value in _TRAINER_DEFAULTS.items():
+                checkpoint.setdefault(key, value)
         checkpoint[_SHARDED] = (reader, saved)
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
         if _SHARDED in checkpoint:
             reader, saved = checkpoint[_SHARDED]
-            return on_every_rank(self.comm, lambda: load_model(
-                reader, saved, self.lightning_module, self._sharder.groups if self._sharder else [], strict))
+            return load_sharded_model(self._engine, reader, saved, strict)
         if self._sharder is None or self.config.stage < 3:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        self._sharder.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        load_full_model(self._engine, checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.lightning_module is not None
         if _SHARDED in checkpoint:
             reader, saved = checkpoint[_SHARDED]
-            return on_every_rank(self.comm, lambda: load_optimizers(reader, saved, self.lightning_module,
-                                                                        self._zero_optimizers))
+            return load_sharded_optimizers(self._engine, reader, saved)
         if "deepspeed" in checkpoint:  # DeepSpeed kept the trainable parameters only: numbered by name
-            if len(self.optimizers) != 1:
-                raise CheckpointError(f"a DeepSpeed checkpoint holds one optimizer, configure_optimizers gives "
-                                      f"{len(self.optimizers)}; load it into a module with one optimizer.")
-            names = parameter_names(self.lightning_module)
-            groups = [[names[p] for p in g["params"]] for g in self.optimizers[0].param_groups]
-            checkpoint = {**checkpoint, "optimizer_states": [align_optimizer_state(checkpoint, groups)]}
+            checkpoint = {**checkpoint, "optimizer_states": [deepspeed_optimizer_state(checkpoint, self._engine)]}
         super().load_optimizer_state_dict(checkpoint)
+        assert self.lightning_module is not None  # restored before setup at stages 1-2: the masters come now
         on_every_rank(self.comm, lambda: masters_from_state_dict(checkpoint["state_dict"], self.lightning_module,
                                                                  self._zero_optimizers))
 
@@ -496,19 +433,10 @@ class ZeroStrategy(ParallelStrategy):
     # ---- collectives Lightning uses (logging with sync_dist, metrics, callbacks) -------------
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        barrier(self.root_device)
 
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
+        return broadcast_object(obj, src)
 
     def reduce(self, tensor: Any, group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:

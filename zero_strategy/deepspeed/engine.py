@@ -42,12 +42,12 @@ from torch import Tensor, nn
 
 from ..activation import offload_activations
 from ..config import ZeroConfig
-from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
-from ..precision import ZeroPrecision
+from ..engine import Collectives, ParameterSharder, ZeroOptimizer
+from ..frontend import EngineModel, WorkingPrecision, clip_grad_norm, setup_engine
 from . import engine_checkpoint
 from .config import DeepSpeedSettings, map_deepspeed_config
-from .engine_parts import (broadcast_module, build_dataloader, build_optimizer, build_scheduler, check_batch_sizes,
-                           engine_device, move_module, resolve_config)
+from .engine_parts import (build_dataloader, build_optimizer, build_scheduler, check_batch_sizes, engine_device,
+                           resolve_config)
 from .launch import DEFAULT_PORT, init_distributed, local_rank
 
 __all__ = ["ZeroEngine", "initialize"]
@@ -64,16 +64,20 @@ class ZeroEngine(nn.Module):
     empty outside its forward: ``zero_strategy.gathered_parameters(engine.module)`` gives them whole.
     """
 
-    def __init__(self, module: nn.Module, settings: DeepSpeedSettings, config: dict, precision: ZeroPrecision,
-                 zero_config: ZeroConfig, comm: Collectives, device: torch.device, local_rank: int,
-                 optimizer: Optional[ZeroOptimizer], lr_scheduler: Any, sharder: Optional[ParameterSharder]) -> None:
+    def __init__(self, model: EngineModel, settings: DeepSpeedSettings, config: dict, local_rank: int,
+                 lr_scheduler: Any) -> None:
         super().__init__()
-        self.module = module
-        self.optimizer = optimizer
+        self.module = model.module
+        self.engine_model = model  # what the shared checkpoint code takes (see zero_strategy/frontend)
+        self.optimizer: Optional[ZeroOptimizer] = model.optimizers[0] if model.optimizers else None
         self.lr_scheduler = lr_scheduler
-        self.settings, self.config, self.precision, self.zero_config = settings, config, precision, zero_config
-        self.comm, self.sharder, self._device = comm, sharder, device
-        self.local_rank, self.global_rank, self.world_size = local_rank, comm.rank, comm.world_size
+        self.settings, self.config = settings, config
+        self.precision: WorkingPrecision = model.precision
+        self.zero_config: ZeroConfig = model.config
+        self.comm: Collectives = model.comm
+        self.sharder: Optional[ParameterSharder] = model.sharder
+        self._device = model.device
+        self.local_rank, self.global_rank, self.world_size = local_rank, self.comm.rank, self.comm.world_size
         self.global_steps = 0  # optimizer steps taken, skipped ones included (DeepSpeed's count)
         self.global_samples = 0
         self.skipped_steps = 0
@@ -103,8 +107,7 @@ class ZeroEngine(nn.Module):
                              "(e.g. loss.mean()).")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
-        scaler = self.precision.scaler
-        (scaler.scale_loss(loss) if scaler is not None else loss).backward(retain_graph=retain_graph)
+        self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
         return loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
@@ -112,10 +115,10 @@ class ZeroEngine(nn.Module):
         gradients; between boundaries nothing but the count (see [Note: the engine's step, as DeepSpeed's])."""
         optimizer = self._need_optimizer("step")
         if self.is_gradient_accumulation_boundary():
-            optimizer.reduce_gradients()
-            if not optimizer.overflowed:
-                clip = self.gradient_clipping()
-                self._global_grad_norm = float(optimizer.clip_grad_norm_(clip if clip > 0 else math.inf))
+            clip = self.gradient_clipping()
+            norm = clip_grad_norm(optimizer, clip if clip > 0 else math.inf)  # None: an fp16 overflow, skipped
+            if norm is not None:
+                self._global_grad_norm = float(norm)
             optimizer.step()
             self._step_applied = not optimizer.overflowed
             if optimizer.overflowed:
@@ -232,34 +235,24 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     config = resolve_config(config, config_params, args)
     settings = map_deepspeed_config(config, world_size=dist.get_world_size())
     check_batch_sizes(settings)
-    precision = ZeroPrecision(settings.precision or "32-true", **settings.precision_kwargs)
+    precision = WorkingPrecision(settings.precision or "32-true", **settings.precision_kwargs)
     stage = int(settings.strategy["stage"])
-    zero_config = ZeroConfig(**{**settings.strategy, "stage": max(stage, 1)}, master_weights=precision.master_weights)
+    zero_config = ZeroConfig(**{**settings.strategy, "stage": max(stage, 1)})
     comm = Collectives(collective_timeout=zero_config.collective_timeout)
     rank_here = getattr(args, "local_rank", None) if "LOCAL_RANK" not in os.environ else None
     rank_here = rank_here if isinstance(rank_here, int) and rank_here >= 0 else local_rank()
     device = engine_device(rank_here)
 
-    precision.convert_module(model)
-    move_module(model, device)
-    user_optimizer = build_optimizer(model, optimizer, model_parameters, settings)
-    sharder = None
-    if zero_config.stage == 3:  # parameters are broadcast from rank 0 unit by unit while sharding
-        for buffer in model.buffers():
-            if not buffer.is_meta:
-                comm.broadcast(buffer, src=0, what=lambda: "broadcast of the module's buffers")
-        sharder = shard_module(model, zero_config, comm, device, [user_optimizer] if user_optimizer else [])
-    else:
-        broadcast_module(model, comm)
-    engine_optimizer = None
-    if user_optimizer is not None:
-        engine_optimizer = ZeroOptimizer(user_optimizer, zero_config, comm=comm, sharder=sharder,
-                                         scaler=precision.scaler)
+    def build() -> list[torch.optim.Optimizer]:  # after the dtype and the device, as DeepSpeed builds it
+        built = build_optimizer(model, optimizer, model_parameters, settings)
+        return [built] if built is not None else []
+
+    engine_model = setup_engine(model, zero_config, precision, comm, device, build)  # see [Note: the order of setup]
+    engine_optimizer = engine_model.optimizers[0] if engine_model.optimizers else None
     scheduler = build_scheduler(lr_scheduler, optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
                                 engine_optimizer, settings)
     loader = build_dataloader(training_data, collate_fn, settings, comm, device)
-    engine = ZeroEngine(model, settings, config, precision, zero_config, comm, device, rank_here, engine_optimizer,
-                        scheduler, sharder)
+    engine = ZeroEngine(engine_model, settings, config, rank_here, scheduler)
     if comm.rank == 0:
         log.info("initialize: ZeRO stage %d%s, %s, %d rank(s). %s", stage, " (run as stage 1)" if stage == 0 else "",
                  precision.precision, comm.world_size, settings.log_summary())

@@ -2,12 +2,13 @@
 package's sharded checkpoints, and DeepSpeed's own checkpoints read back.
 
 [Note: the engine's checkpoint layout]
-``save_dir/<tag>/`` is a sharded checkpoint (see [Note: checkpoint layout] in checkpoint/store.py):
-each rank writes its pieces of the weights, fp32 masters and optimizer state, and rank 0 the index
-and trainer_state.pt, which holds the engine's counters, LR scheduler and loss scaler state under
-``zero_engine`` and the caller's ``client_state``. After the save is complete on every rank, rank 0
-writes ``save_dir/latest`` naming the tag (atomically), as DeepSpeed does; a failed save leaves
-both the previous tag folder and ``latest`` as they were. Files describe parameters, not buffers,
+``save_dir/<tag>/`` is a sharded checkpoint (see [Note: one checkpoint format for every front end]
+in frontend/checkpoint.py): each rank writes its pieces of the weights, fp32 masters and optimizer
+state, and rank 0 the index and trainer_state.pt, which holds the engine's counters and LR scheduler
+state under ``zero_engine``, the caller's ``client_state``, and the loss scaler under
+``ZeroPrecision``, where the Trainer and Fabric read it too. After the save is complete on every
+rank, rank 0 writes ``save_dir/latest`` naming the tag (atomically), as DeepSpeed does; a failed save
+leaves both the previous tag folder and ``latest`` as they were. Files describe parameters, not buffers,
 so any world size and stage loads them. ``load`` also takes a directory DeepSpeed wrote
 (``engine.save_checkpoint``'s layout, stages 1-3): read whole, without DeepSpeed, by
 ``read_deepspeed_checkpoint``, then loaded into this engine at its own world size and stage.
@@ -15,19 +16,17 @@ so any world size and stage loads them. ``load`` also takes a directory DeepSpee
 
 from __future__ import annotations
 
-import io
 import logging
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
-from ..checkpoint import (CheckpointError, CheckpointReader, is_sharded_checkpoint, load_model, load_optimizers,
-                          save_sharded)
-from ..checkpoint.deepspeed import align_optimizer_state, is_deepspeed_checkpoint, read_deepspeed_checkpoint
+from ..checkpoint import CheckpointError, is_sharded_checkpoint
+from ..checkpoint.deepspeed import is_deepspeed_checkpoint
 from ..checkpoint.files import atomic_write
-from ..checkpoint.sharded import flat_groups, masters_from_state_dict, on_every_rank, parameter_names
+from ..frontend import (STATE_KEY, check_safe_to_load, deepspeed_client_state, deepspeed_optimizer_state,
+                        load_full_model, load_full_optimizers, load_sharded_model, load_sharded_optimizers,
+                        open_sharded, read_deepspeed, save_sharded_model)
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -37,9 +36,6 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 ENGINE_STATE = "zero_engine"
 CLIENT_STATE = "client_state"
-# keys read_deepspeed_checkpoint adds to DeepSpeed's client state (its own, and Lightning's defaults)
-_READER_KEYS = {"state_dict", "optimizer_states", "deepspeed", "ZeroPrecision"}
-_LIGHTNING_DEFAULTS = {"pytorch-lightning_version", "global_step", "lr_schedulers"}
 
 
 # ---- save ----------------------------------------------------------------------------------
@@ -56,25 +52,10 @@ def _check_tag(engine: "ZeroEngine", tag: str) -> None:
 
 
 def _engine_state(engine: "ZeroEngine") -> dict[str, Any]:
-    scaler = engine.precision.scaler
     return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "loss_scaler": scaler.state_dict() if scaler is not None else None,
             "stage": engine.zero_optimization_stage(), "world_size": engine.world_size, "ds_config": engine.config}
-
-
-def _check_loadable(state: dict[str, Any]) -> None:
-    """What rank 0 will write must load with ``weights_only=True``: say so at save, not at resume."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    try:
-        torch.load(buffer, weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
-        raise ValueError(f"save_checkpoint(client_state=...): the state holds objects that a safe load "
-                         f"(torch.load(weights_only=True)) refuses: {err}. Keep client_state to tensors, numbers, "
-                         "strings, lists and dicts.") from None
 
 
 def save(engine: "ZeroEngine", save_dir: Any, tag: Any, client_state: Optional[dict], save_latest: bool,
@@ -88,13 +69,13 @@ def save(engine: "ZeroEngine", save_dir: Any, tag: Any, client_state: Optional[d
         raise TypeError(f"save_checkpoint(client_state={type(client_state).__name__}): give a dict.")
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     _check_tag(engine, tag)
-    state = {ENGINE_STATE: _engine_state(engine), CLIENT_STATE: dict(client_state or {})}
-    _check_loadable(state)
+    state = {ENGINE_STATE: _engine_state(engine), CLIENT_STATE: dict(client_state or {}),
+             STATE_KEY: engine.precision.state_dict()}  # the loss scale where every front end reads it
+    check_safe_to_load(state, "save_checkpoint(client_state=...)")
     if engine.optimizer is not None:
         state["optimizer_states"] = []  # the flag for save_sharded: write the optimizer's pieces too
-    optimizers = [engine.optimizer] if engine.optimizer is not None else []
     folder = Path(save_dir) / tag
-    save_sharded(folder, state, engine.module, optimizers, engine.sharder, engine.comm, engine.zero_config.stage)
+    save_sharded_model(folder, state, engine.engine_model)
     error = ""
     if save_latest and engine.comm.rank == 0:
         try:
@@ -166,20 +147,17 @@ def _restore_counters(engine: "ZeroEngine", counters: dict[str, Any]) -> None:
 
 def _load_sharded(engine: "ZeroEngine", folder: Path, strict: bool, with_optimizer: bool, with_scheduler: bool,
                   with_counters: bool) -> dict:
-    reader = CheckpointReader(folder)
-    state = reader.trainer_state()
-    saved, ours = state.get("zero_checkpoint"), state.get(ENGINE_STATE)
-    if saved is None or ours is None:
+    reader, state, saved = open_sharded(folder, engine.comm)
+    ours = state.get(ENGINE_STATE)
+    if ours is None:
         raise CheckpointError(f"{folder} was not written by the engine's save_checkpoint (its trainer state has no "
                               f"{ENGINE_STATE!r}): a ZeroStrategy checkpoint resumes with Trainer.fit(ckpt_path=...); "
                               "for this engine, consolidate it (zero-consolidate) and load its state_dict.")
-    optimizer = engine.optimizer
-    groups = flat_groups([optimizer] if optimizer is not None else [], engine.sharder)
-    on_every_rank(engine.comm, lambda: load_model(reader, saved, engine.module, groups, strict))
+    load_sharded_model(engine.engine_model, reader, saved, strict)
     if with_optimizer:
-        on_every_rank(engine.comm, lambda: load_optimizers(reader, saved, engine.module, [optimizer]))
-        if engine.precision.scaler is not None and ours.get("loss_scaler"):
-            engine.precision.scaler.load_state_dict(ours["loss_scaler"])
+        load_sharded_optimizers(engine.engine_model, reader, saved)
+        # where every front end writes it; an earlier save of this engine kept it in its own state
+        engine.precision.load_state_dict(state.get(STATE_KEY) or {"loss_scaler": ours.get("loss_scaler")})
     if with_scheduler and ours.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(ours["lr_scheduler"])
     if with_counters:
@@ -189,34 +167,18 @@ def _load_sharded(engine: "ZeroEngine", folder: Path, strict: bool, with_optimiz
 
 def _load_deepspeed(engine: "ZeroEngine", folder: Path, strict: bool, with_optimizer: bool, with_scheduler: bool,
                     with_counters: bool) -> dict:
-    read: list[dict[str, Any]] = []
-    on_every_rank(engine.comm, lambda: read.append(read_deepspeed_checkpoint(folder)))
-    checkpoint = read[0]
+    checkpoint = read_deepspeed(folder, engine.comm)
     state_dict = checkpoint["state_dict"]
-    if engine.sharder is not None:  # a collective: every rank gathers each unit once
-        engine.sharder.load_full_state_dict(state_dict, strict=strict)
-    else:
-        on_every_rank(engine.comm, lambda: engine.module.load_state_dict(state_dict, strict=strict))
-    if engine.optimizer is not None:  # fp32 values into the masters: through bf16 weights they would round
-        masters_from_state_dict(state_dict, engine.module, [engine.optimizer])
+    load_full_model(engine.engine_model, state_dict, strict)  # fp32 values into the masters too
     source = checkpoint["deepspeed"]
     if with_optimizer:
-        assert engine.optimizer is not None
-        names = parameter_names(engine.module)
-        param_names = [[names[p] for p in group["params"]] for group in engine.optimizer.param_groups]
-        aligned = align_optimizer_state(checkpoint, param_names)
-        on_every_rank(engine.comm, lambda: engine.optimizer.load_state_dict(aligned))
-        scaler = checkpoint.get("ZeroPrecision", {}).get("loss_scaler")
-        if engine.precision.scaler is not None and scaler:
-            engine.precision.scaler.load_state_dict(scaler)
+        load_full_optimizers(engine.engine_model, [deepspeed_optimizer_state(checkpoint, engine.engine_model)])
+        engine.precision.load_state_dict(checkpoint.get(STATE_KEY, {}))
     if with_scheduler and source.get("lr_scheduler"):
         _load_deepspeed_scheduler(engine.lr_scheduler, source["lr_scheduler"])
     if with_counters:
         _restore_counters(engine, source)
-    keys = source.get("client_keys")
-    if keys is None:  # the reader does not list them: its own keys and Lightning's defaults are not client state
-        keys = [k for k in checkpoint if k not in _READER_KEYS | _LIGHTNING_DEFAULTS]
-    return {k: checkpoint[k] for k in keys if k in checkpoint}
+    return deepspeed_client_state(checkpoint)
 
 
 def _load_deepspeed_scheduler(scheduler: Any, state: dict[str, Any]) -> None:

@@ -72,20 +72,6 @@ def engine_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def move_module(module: nn.Module, device: torch.device) -> None:
-    """Parameters and buffers to ``device``, in place (the Parameter objects stay); meta tensors stay
-    on meta: stage 3 materialises them unit by unit (see [Note: init-time sharding])."""
-    module._apply(lambda t: t if t.is_meta else t.to(device))
-
-
-def broadcast_module(module: nn.Module, comm: Collectives) -> None:
-    """Every rank starts from rank 0's parameters and buffers, as DeepSpeed's engine does."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if not tensor.is_meta:
-                comm.broadcast(tensor.data, src=0, what=lambda: "broadcast of the module's initial weights")
-
-
 def build_optimizer(module: nn.Module, optimizer: Any, model_parameters: Any,
                     settings: DeepSpeedSettings) -> Optional[torch.optim.Optimizer]:
     """The user's optimizer: ``optimizer`` itself, or ``optimizer(model_parameters)`` for a callable,
@@ -112,12 +98,7 @@ def build_optimizer(module: nn.Module, optimizer: Any, model_parameters: Any,
         built = settings.optimizer(params)
     else:
         return None
-    own = {id(p) for p in module.parameters()}
-    foreign = [tuple(p.shape) for group in built.param_groups for p in group["params"] if id(p) not in own]
-    if foreign:
-        raise ValueError(f"initialize(): the optimizer holds {len(foreign)} tensors that are not parameters of the "
-                         f"model (shapes {foreign[:3]}); build it over the model's own parameters.")
-    return built
+    return built  # over the model's own parameters: checked by setup_engine, as for every front end
 
 
 def build_scheduler(lr_scheduler: Any, user_optimizer: Optional[torch.optim.Optimizer],

@@ -1,0 +1,146 @@
+"""The options every Lightning front end takes (ZeroStrategy, ZeroFabricStrategy), checked once,
+and the process group they start. No Lightning here: each front end passes its own arguments.
+
+A DeepSpeed config (``config=ds.json``) sets the engine's settings and the precision (see
+``engine_settings``); what it says about the loop (accumulation, clipping, optimizer, schedule,
+batch sizes) is each front end's to apply or refuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..config import ZeroConfig
+from ..deepspeed.config import DeepSpeedConfigError, DeepSpeedSettings, map_deepspeed_config
+
+DeepSpeedConfig = Union[Mapping[str, Any], str, os.PathLike]
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+def as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:
+    """The process group's timeout: a timedelta, or a number of seconds (converted), or None."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return timedelta(seconds=timeout)
+    raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta or a positive number of seconds (the "
+                     "process group's timeout; the default is 30 minutes).")
+
+
+def engine_settings(config: DeepSpeedConfig, arguments: Mapping[str, Any]) -> tuple[DeepSpeedSettings, dict]:
+    """The config's mapping and the ZeroConfig arguments that follow from it and from ``arguments``
+    (the strategy's, as passed: those equal to ZeroConfig's defaults count as not given)."""
+    settings = map_deepspeed_config(config)
+    from_config = dict(settings.strategy)
+    if from_config.get("stage", 0) == 0:
+        raise DeepSpeedConfigError(
+            "the DeepSpeed config has no zero_optimization stage (DeepSpeed's stage 0: plain data parallelism, "
+            "which ZeroStrategy does not run); add \"zero_optimization\": {\"stage\": 2} (1, 2 or 3), or train with "
+            "strategy=\"ddp\".")
+    defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+    given = {k: v for k, v in arguments.items() if k in defaults and v != defaults[k]}
+    conflicts = [f"{k}={given[k]!r} given to ZeroStrategy, {k}={from_config[k]!r} from the config"
+                 for k in sorted(given.keys() & from_config.keys()) if _normal(given[k]) != _normal(from_config[k])]
+    if conflicts:
+        raise DeepSpeedConfigError("ZeroStrategy's arguments and its DeepSpeed config disagree: " + "; ".join(conflicts)
+                                   + ". Give each setting in one place.")
+    return settings, {**arguments, **from_config, **given}
+
+
+def _normal(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True)
+class FrontEndOptions:
+    """A Lightning front end's options, checked: the engine's settings and how checkpoints and
+    processes go."""
+
+    config: ZeroConfig
+    """The engine's settings (master_weights follows the precision, at setup)."""
+    deepspeed: Optional[DeepSpeedSettings]
+    """What a DeepSpeed config said, when one was given."""
+    state_dict_type: str
+    """"sharded": a checkpoint directory, each rank writing what it owns; "full": one file from rank 0."""
+    verify_checkpoints: bool
+    """Check every part read against its checksum."""
+    start_method: str
+    """How the launcher starts the ranks: "popen" re-runs the script, as DDP does."""
+    timeout: Optional[timedelta]
+    """The process group's timeout."""
+
+    @property
+    def precision_from_config(self) -> Optional[tuple[str, dict[str, Any]]]:
+        """The precision and loss-scaling arguments a DeepSpeed config enables, if it enables one."""
+        if self.deepspeed is None or self.deepspeed.precision is None:
+            return None
+        return self.deepspeed.precision, dict(self.deepspeed.precision_kwargs)
+
+
+def read_options(engine: dict[str, Any], *, state_dict_type: str, verify_checkpoints: bool, start_method: str,
+                 timeout: Union[timedelta, float, None], config: Optional[DeepSpeedConfig]) -> FrontEndOptions:
+    """Check a front end's arguments (``engine``: ZeroConfig's fields), raising for a bad one with its
+    value, what is allowed and what to do."""
+    deepspeed = None
+    if config is not None:
+        deepspeed, engine = engine_settings(config, engine)
+    zero_config = ZeroConfig(**engine)
+    if state_dict_type not in STATE_DICT_TYPES:
+        raise ValueError(f"state_dict_type={state_dict_type!r} is not one of {STATE_DICT_TYPES}: 'sharded' (the "
+                         "default) saves a checkpoint directory, each rank writing what it owns; 'full' gathers "
+                         "the whole state and rank 0 saves one file.")
+    if not isinstance(verify_checkpoints, bool):
+        raise ValueError(f"verify_checkpoints={verify_checkpoints!r} must be True (check every part read against "
+                         "its checksum) or False (load a huge checkpoint you trust without the check).")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r} is not one of {START_METHODS}; 'popen' (the default) "
+                         "re-runs your script once per device, as DDP does.")
+    return FrontEndOptions(zero_config, deepspeed, state_dict_type, verify_checkpoints, start_method,
+                           as_timedelta(timeout))
+
+
+# ---- the process group ---------------------------------------------------------------------
+
+
+def process_group_backend(requested: Optional[str], device: torch.device) -> str:
+    """``requested``, or NCCL for CUDA devices and gloo otherwise; NCCL without CUDA is refused."""
+    backend = requested or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"process_group_backend='nccl' needs CUDA devices, but this rank runs on "
+                         f"{device}; use 'gloo' (the default on CPU) or accelerator='cuda'.")
+    return backend
+
+
+def check_world_size(expected: int, who: str, fix: str) -> None:
+    """The process group that started holds as many processes as ``who`` (the Trainer, Fabric) was
+    told of; else an error ending with ``fix``, what to launch instead."""
+    if dist.get_world_size() != expected:
+        raise RuntimeError(f"the process group has {dist.get_world_size()} processes but {who} expects {expected} "
+                           f"{fix}")
+
+
+def barrier(device: torch.device) -> None:
+    """Wait for every rank (nothing to wait for without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src)
+    return holder[0]

@@ -1,0 +1,233 @@
+"""What every front end does to a module and its optimizers, in one ordered place.
+
+[Note: the order of setup]
+``setup_engine`` applies the engine's features to a module in this order, for the Trainer's
+ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
+
+1. working dtype (``WorkingPrecision.convert_module``): the flat buffers of step 5 hold the
+   working weights, one buffer per dtype, and the fp32 masters are copied from them; converting
+   after sharding would detach the parameters from their buffers.
+2. device: the flat buffers are allocated where the parameters are. Meta tensors stay on meta:
+   stage 3 materialises them unit by unit on the device (see [Note: init-time sharding]).
+3. activation checkpointing: it replaces module instances' ``forward`` (see [Note: checkpointing
+   by instance forward]); the sharder's hooks, registered next, then run around the checkpointed
+   call, and the units it plans see the modules as they will run.
+4. the optimizers, built now when a front end gives a factory (the Trainer's
+   ``configure_optimizers``): they see whole parameters with their real shapes (code that groups
+   by ``p.dim()`` works), which stage 3 is about to replace by shards.
+5. sync or shard: every rank starts from rank 0's weights. Stages 1-2 broadcast the module, then,
+   when there are optimizers (an evaluation needs none), ``shard_module`` builds the resident flat
+   groups of the trainable parameters; stage 3 broadcasts the buffers and ``shard_module``
+   broadcasts and shards the parameters unit by unit. The optimizers are passed, so each gets flat
+   groups of its own (see [Note: one owner of the flat groups]).
+6. each optimizer re-created over this rank's pieces (``ZeroOptimizer``), with the loss scaler.
+   ``add_optimizers`` is this step alone, for front ends that get optimizers after the module
+   (Fabric's ``setup_module`` then ``setup_optimizers``): at stage 3 they map onto the units' groups
+   (which were split by no optimizer, so one optimizer must step each group whole); at stages 1-2
+   without the module's groups, each optimizer builds groups of its own parameters, as a plain
+   loop's ZeroOptimizer does.
+
+Clipping goes through the engine (``clip_grad_norm``): no parameter holds a whole reduced
+gradient at stages 2-3, so the norm is taken over every rank's shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..activation import apply_activation_checkpointing
+from ..checkpoint.sharded import flat_groups
+from ..config import ZeroConfig
+from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
+from ..engine.flat import FlatGroup
+from .precision import WorkingPrecision
+
+Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
+
+
+@dataclass
+class EngineModel:
+    """A module on the engine and what a front end needs of it afterwards: its sharder (the owner
+    of its flat groups, None at stages 1-2 until there are optimizers), its ZeroOptimizers, and the
+    precision, settings and collectives they were built with."""
+
+    module: nn.Module
+    config: ZeroConfig  # master_weights as ``precision`` says
+    precision: WorkingPrecision
+    comm: Collectives
+    device: torch.device
+    sharder: Optional[ParameterSharder] = None
+    optimizers: list[ZeroOptimizer] = field(default_factory=list)
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    @property
+    def groups(self) -> list[FlatGroup]:
+        """Every flat group of the module's parameters (see [Note: one owner of the flat groups])."""
+        return flat_groups(self.optimizers, self.sharder)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's whole state dict on every rank: at stage 3 gathered unit by unit (a
+        collective), as CPU copies; at stages 1-2 the module's own."""
+        if self.sharder is not None and self.stage == 3:
+            return self.sharder.full_state_dict()
+        return self.module.state_dict()
+
+    def remove_hooks(self) -> None:
+        for opt in self.optimizers:
+            opt.remove_hooks()
+        if self.sharder is not None:
+            self.sharder.remove_hooks()
+
+
+def engine_config(config: ZeroConfig, precision: WorkingPrecision) -> ZeroConfig:
+    """The settings with master weights as the precision asks."""
+    return dataclasses.replace(config, master_weights=precision.master_weights)
+
+
+def move_module(module: nn.Module, device: torch.device) -> None:
+    """Parameters and buffers to ``device``, in place (the Parameter objects stay); meta tensors stay on
+    meta: stage 3 materialises them unit by unit (see [Note: init-time sharding])."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def sync_module(module: nn.Module, comm: Collectives, stage: int) -> None:
+    """Every rank starts from rank 0's values: the parameters and buffers at stages 1-2, the buffers
+    only at stage 3 (its parameters are broadcast unit by unit while sharding)."""
+    if stage < 3:
+        meta = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+        if meta:
+            raise ValueError(f"{type(module).__name__} has tensors on the meta device ({meta[:3]}...) at ZeRO stage "
+                             f"{stage}: only stage 3 materialises a model built on meta (unit by unit, from rank 0's "
+                             "values). Build the model with real tensors, or train it at stage=3.")
+    tensors = [*module.buffers()] if stage == 3 else [*module.parameters(), *module.buffers()]
+    with torch.no_grad():
+        for tensor in tensors:
+            if not tensor.is_meta:
+                comm.broadcast(tensor.data, src=0, what=lambda: "broadcast of the module's initial weights")
+
+
+def materialize_buffers(module: nn.Module, device: torch.device) -> None:
+    """Stage 3, a model built on meta: modules that hold buffers but no parameters (a rotary cache, a
+    mask) get their buffers on ``device`` from their own ``reset_parameters()``; the sharder
+    materialises the modules with parameters, unit by unit (see [Note: init-time sharding])."""
+    for path, m in module.named_modules():
+        meta = [name for name, b in m.named_buffers(recurse=False) if b.is_meta]
+        if not meta or any(True for _ in m.parameters(recurse=False)):
+            continue
+        if not callable(getattr(m, "reset_parameters", None)):
+            raise ValueError(f"{path or 'the model'} ({type(m).__name__}) holds buffers on the meta device ({meta}) "
+                             "and no parameters, and has no reset_parameters() to fill them; give it one, or build "
+                             "that module with real tensors (outside the meta-device context).")
+        for name in meta:
+            m._buffers[name] = torch.empty_like(m._buffers[name], device=device)
+        m.reset_parameters()
+
+
+def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecision, comm: Collectives,
+                 device: torch.device, optimizers: Optimizers = (),
+                 sharder: Optional[ParameterSharder] = None) -> EngineModel:
+    """Put ``module`` (and ``optimizers``, or the optimizers a factory builds) on the engine, in the
+    order of [Note: the order of setup]. A collective.
+
+    ``sharder``: the one this module got at an earlier setup (stage 3 keeps a module sharded between
+    a Trainer's fit and test); its groups take the parameters back instead of sharding again.
+    """
+    config = engine_config(config, precision)
+    precision.convert_module(module)  # 1
+    move_module(module, device)  # 2
+    if config.activation_checkpointing:  # 3
+        apply_activation_checkpointing(module, config.activation_checkpointing,
+                                       config.activation_checkpointing_interval, offload=config.offload_activations)
+    built = list(optimizers() if callable(optimizers) else optimizers)  # 4
+    _check_owned(module, built)
+    model = EngineModel(module, config, precision, comm, device)
+    if config.stage == 3 and sharder is not None and sharder.module is module:  # 5
+        for g in sharder.resident:  # the whole parameters were given new tensors (module.cpu() and back)
+            g.adopt_params()
+        model.sharder = sharder
+    else:
+        if config.stage == 3:
+            materialize_buffers(module, device)
+        sync_module(module, comm, config.stage)
+        if config.stage == 3 or built:
+            model.sharder = shard_module(module, config, comm, device, built)
+    return add_optimizers(model, built)  # 6
+
+
+def add_optimizers(model: EngineModel, optimizers: Sequence[torch.optim.Optimizer],
+                   together: str = "give every optimizer when the module is set up") -> EngineModel:
+    """Re-create ``optimizers`` over this rank's pieces (ZeroOptimizers already are kept) and add them
+    to ``model``. With the module's flat groups built (stage 3, or stages 1-2 set up with optimizers)
+    each maps onto the groups of its parameters, which must hold no other optimizer's; at stages 1-2
+    without them, each builds flat groups of its own parameters (the plain loop's way, see [Note: one
+    owner of the flat groups]). ``together`` says how the front end's user passes several optimizers
+    at once, for the error when their parameters share groups."""
+    _check_owned(model.module, optimizers, model.optimizers)
+    for opt in optimizers:
+        if isinstance(opt, ZeroOptimizer):
+            model.optimizers.append(opt)
+            continue
+        if model.sharder is not None:
+            _check_groups_of_their_own(model.sharder, opt, together)
+        model.optimizers.append(ZeroOptimizer(opt, model.config, comm=model.comm, sharder=model.sharder,
+                                              scaler=model.precision.scaler))
+    return model
+
+
+def _check_owned(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                 earlier: Sequence[torch.optim.Optimizer] = ()) -> None:
+    """Each optimizer steps parameters of ``module``, none of which an earlier optimizer steps."""
+    own = {id(p) for p in module.parameters()}
+    taken = {id(p) for opt in earlier for g in opt.param_groups for p in g["params"]}
+    for opt in optimizers:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        foreign = [tuple(p.shape) for p in params if id(p) not in own]
+        if foreign:
+            raise ValueError(f"{type(opt).__name__} holds {len(foreign)} tensors that are not parameters of "
+                             f"{type(module).__name__} (shapes {foreign[:3]}); build each optimizer over the model's "
+                             "own parameters (model.parameters(), or param groups of them).")
+        twice = [tuple(p.shape) for p in params if id(p) in taken]
+        if twice:
+            raise ValueError(f"{type(opt).__name__} steps {len(twice)} parameters (shapes {twice[:3]}) that another "
+                             "optimizer steps too; ZeRO shards each parameter's optimizer state once, so give every "
+                             "parameter to one optimizer.")
+        taken |= {id(p) for p in params}
+
+
+def _check_groups_of_their_own(sharder: ParameterSharder, opt: torch.optim.Optimizer, together: str) -> None:
+    """``opt``'s trainable parameters fill whole flat groups: groups built before it knew of it hold the
+    parameters of every optimizer that was not given then, together."""
+    mine = {p for g in opt.param_groups for p in g["params"] if p.requires_grad}
+    shared = [p for g in sharder.groups if g.params[0].requires_grad and any(p in mine for p in g.params)
+              for p in g.params if p not in mine]
+    if shared:
+        raise ValueError(f"{type(opt).__name__} steps some parameters of flat groups that hold {len(shared)} others "
+                         f"(shapes {[tuple(p.shape) for p in shared[:3]]}): the groups were built before this "
+                         f"optimizer was known, for every parameter no optimizer then stepped. To give several "
+                         f"optimizers groups of their own, {together}.")
+
+
+# ---- clipping through the engine -------------------------------------------------------------
+
+
+def clip_grad_norm(optimizer: ZeroOptimizer, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+    """Clip ``optimizer``'s gradients to a global norm (over every rank's shard) of ``max_norm``, and
+    return the norm before clipping; None when an fp16 overflow will skip the step (an inf norm
+    would poison the gradients, and the step does not use them). A collective."""
+    optimizer.reduce_gradients()
+    if optimizer.overflowed:
+        return None
+    return optimizer.clip_grad_norm_(float(max_norm), norm_type)
+
+
+def clip_grad_value(optimizer: ZeroOptimizer, clip_val: float) -> None:
+    """Clamp ``optimizer``'s reduced gradients to [-clip_val, clip_val]."""
+    optimizer.clip_grad_value_(float(clip_val))
