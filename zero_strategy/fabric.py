@@ -63,8 +63,8 @@ from .engine import Collectives, ZeroOptimizer
 from .frontend import (EngineModel, WorkingPrecision, add_optimizers, clip_grad_norm, clip_grad_value,
                        load_full_model, move_module, setup_engine)
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
-from .frontend.options import (DeepSpeedConfig, barrier, broadcast_object, check_world_size, process_group_backend,
-                               read_options)
+from .frontend.options import (DeepSpeedConfig, ProcessLayout, barrier, broadcast_object, check_world_size,
+                               process_group_backend, read_options)
 from .frontend.precision import generic_precision_name
 from .memory import memory_stats
 
@@ -144,7 +144,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         return nullcontext()
 
 
-class ZeroFabricStrategy(ParallelStrategy, _Sharded):
+class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
     """ZeRO data parallelism for Lightning Fabric: optimizer state (stage 1), gradients (stage 2) and
     parameters (stage 3) sharded over ranks, on CPU (gloo) or CUDA (NCCL).
 
@@ -209,27 +209,6 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
 
     # ---- the layout of processes -----------------------------------------------------------
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def process_group_backend(self) -> Optional[str]:

@@ -41,7 +41,8 @@ from .engine.watchdog import install_sigterm_handler
 from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,
                        load_sharded_optimizers, move_module, open_sharded, read_deepspeed, save_sharded_model,
                        setup_engine)
-from .frontend.options import barrier, broadcast_object, check_world_size, process_group_backend, read_options
+from .frontend.options import (ProcessLayout, barrier, broadcast_object, check_world_size, process_group_backend,
+                               read_options)
 from .frontend.setup import engine_config
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
@@ -74,7 +75,7 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
-class ZeroStrategy(ParallelStrategy):
+class ZeroStrategy(ProcessLayout, ParallelStrategy):
     """ZeRO data parallelism: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)
     sharded over ranks.
 
@@ -146,27 +147,6 @@ class ZeroStrategy(ParallelStrategy):
         self._sharder: Optional[ParameterSharder] = None  # the model's flat groups, once set up
 
     # ---- what Lightning asks about the layout of processes ---------------------------------
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def precision_plugin(self) -> ZeroPrecision:

@@ -144,3 +144,32 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, src)
     return holder[0]
+
+
+class ProcessLayout:
+    """What Lightning's Trainer and Fabric ask a data-parallel strategy about its processes: one per
+    device of ``parallel_devices`` on each of ``num_nodes`` nodes (mixed into both strategies)."""
+
+    _num_nodes: int = 1
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None  # type: ignore[attr-defined]
+        return self.parallel_devices[self.local_rank]  # type: ignore[attr-defined]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        devices = self.parallel_devices  # type: ignore[attr-defined]
+        return len(devices) if devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore[attr-defined]
