@@ -71,6 +71,27 @@ def test_trainer_matches_ddp(tmp_path, tmp_root, strategy):
         assert c["all_gather"].tolist() == [[0, 0], [1, 10]]
         assert c["broadcast"] == "from rank 0"
     assert_same_run(zero, ddp_run(tmp_root))
+    assert_comm_stats_predicted(zero)
+
+
+def assert_comm_stats_predicted(zero: list[dict]) -> None:
+    """comm_stats() after fit: the last training step's bytes, validation's gathers left out, equal
+    the communication model's prediction for this model and config."""
+    from zero_strategy.comm_model import predict_step_bytes
+    from zero_strategy.config import ZeroConfig
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from lightning_run import Classifier
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    with torch.device("meta"):
+        model = Classifier()
+    config = ZeroConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in zero[0]["config"].items()})
+    want = predict_step_bytes(model, config, 2, backend="gloo")
+    for rank, z in enumerate(zero):
+        assert z["comm"] == want, f"rank {rank}"
+    assert want["total"] > 0
 
 
 @pytest.mark.timeout(300)

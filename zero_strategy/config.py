@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from .engine.quantize import QuantSpec
 
 SUPPORTED_STAGES = (1, 2, 3)
 
@@ -89,6 +92,29 @@ class ZeroConfig:
     timeout. 10 minutes is a third of the process group's default of 30: a healthy collective never
     waits that long, while a rank held up by a slow checkpoint write or a long validation still has time."""
 
+    quantized_weights: bool = False
+    """Stage 3: all-gather parameters block-quantized to int8 (one fp32 scale per
+    ``quantization_block_size`` elements; ZeRO++'s qwZ), in forward and backward: about a quarter of
+    the bytes for fp32 weights, half for bf16/fp16. The forward and backward then compute with the
+    dequantized weights (every rank the same ones); the optimizer still steps the exact shards, and
+    checkpoints and ``gathered_parameters`` gather exactly."""
+
+    quantized_gradients: Union[bool, str, None] = None
+    """Reduce gradients as block-quantized chunks, "int8" or "int4" (True: "int8"; ZeRO++'s qgZ),
+    dequantized and summed in fp32 on the receiving rank, so rounding errors do not add up along a
+    ring (see [Note: quantized reduce-scatter] in engine/collectives.py). Stages 1-3."""
+
+    quantization_block_size: int = 256
+    """Elements per fp32 scale of quantized_weights and quantized_gradients: a smaller block follows
+    the values more closely and sends more scales (4 bytes each: 1.6% more at 256 for int8)."""
+
+    secondary_partition_size: Optional[int] = None
+    """Stage 3, ZeRO++'s hpZ: after a unit's forward, keep a shard of it over groups of this many
+    consecutive ranks (usually the devices per node), so its backward all-gather stays inside the
+    node; the primary shards and the optimizer step stay over all ranks. Costs 1/K of each unit's
+    bytes per rank between forward and backward (a quarter of that with quantized_weights). Must
+    divide the ranks per node; None: off."""
+
     def __post_init__(self) -> None:
         if type(self.stage) is not int or self.stage not in SUPPORTED_STAGES:
             raise ValueError(
@@ -119,6 +145,34 @@ class ZeroConfig:
             raise ValueError(f"check_unit_order={self.check_unit_order!r} must be True or False.")
 
         self._check_memory_options()
+        self._check_communication_options()
+
+    def _check_communication_options(self) -> None:
+        if not isinstance(self.quantized_weights, bool):
+            raise ValueError(f"quantized_weights={self.quantized_weights!r} must be True or False.")
+        if self.quantized_weights and self.stage != 3:
+            raise ValueError(f"quantized_weights=True quantizes stage 3's parameter all-gathers, and stage "
+                             f"{self.stage} gathers no parameters (it keeps them whole on every rank). Use stage=3, "
+                             "or quantized_gradients for the gradient reduction at stages 1-2.")
+        grads = self.quantized_gradients
+        allowed = (None, False, True, "int8", "int4")
+        if not (grads is None or isinstance(grads, (bool, str))) or grads not in allowed:
+            raise ValueError(f"quantized_gradients={grads!r} is not one of {allowed}: \"int8\" or \"int4\" (True means "
+                             "\"int8\"), None or False for unquantized reductions.")
+        object.__setattr__(self, "quantized_gradients", {True: "int8", False: None}.get(grads, grads))
+        block = self.quantization_block_size
+        if type(block) is not int or block < 2:
+            raise ValueError(f"quantization_block_size={block!r} must be an integer of at least 2 (elements per "
+                             "scale; 256 is the default).")
+        size = self.secondary_partition_size
+        if size is not None:
+            if type(size) is not int or size < 2:
+                hint = " (1 would mean no secondary partition: use None)" if size == 1 else ""
+                raise ValueError(f"secondary_partition_size={size!r} must be an integer of at least 2{hint}: the "
+                                 "ranks of a node that share a secondary shard, usually the devices per node.")
+            if self.stage != 3:
+                raise ValueError(f"secondary_partition_size={size} keeps a secondary shard of stage 3's gathered "
+                                 f"parameters, and stage {self.stage} gathers none. Use stage=3, or drop it.")
 
     def _check_memory_options(self) -> None:
         for name in ("offload_optimizer", "offload_params", "offload_activations"):
@@ -145,6 +199,21 @@ class ZeroConfig:
     def master_dtype(self) -> Optional[torch.dtype]:
         """dtype of the optimizer's copy of low-precision parameters (None: no copy)."""
         return torch.float32 if self.master_weights else None
+
+    @property
+    def weight_quantization(self) -> Optional[QuantSpec]:
+        """How stage 3's all-gathers quantize (None: they do not)."""
+        from .engine.quantize import QuantSpec
+
+        return QuantSpec(8, self.quantization_block_size) if self.quantized_weights else None
+
+    @property
+    def gradient_quantization(self) -> Optional[QuantSpec]:
+        """How gradient reductions quantize (None: they do not)."""
+        from .engine.quantize import QuantSpec
+
+        grads = self.quantized_gradients
+        return QuantSpec(8 if grads == "int8" else 4, self.quantization_block_size) if grads else None
 
     def bucket_numel(self, element_size: int) -> int:
         """Bucket capacity in elements of a dtype of ``element_size`` bytes (at least 1)."""

@@ -170,6 +170,10 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         offload_activations: bool = False,
         check_unit_order: bool = True,
         collective_timeout: Optional[float] = 600.0,
+        quantized_weights: bool = False,
+        quantized_gradients: Union[bool, str, None] = None,
+        quantization_block_size: int = 256,
+        secondary_partition_size: Optional[int] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -189,7 +193,9 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_interval=activation_checkpointing_interval,
             offload_activations=offload_activations, check_unit_order=check_unit_order,
-            collective_timeout=collective_timeout,
+            collective_timeout=collective_timeout, quantized_weights=quantized_weights,
+            quantized_gradients=quantized_gradients, quantization_block_size=quantization_block_size,
+            secondary_partition_size=secondary_partition_size,
         )
         options = read_options(engine, state_dict_type=state_dict_type, verify_checkpoints=verify_checkpoints,
                                start_method=start_method, timeout=timeout, config=config)
@@ -251,7 +257,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         check_world_size(self.world_size, "Fabric",
                          f"(num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many processes as "
                          "Fabric(devices=..., num_nodes=...) asks for (fabric.launch(), torchrun or srun).")
-        self._comm = Collectives(collective_timeout=self.config.collective_timeout)
+        self._comm = self._world_collectives()
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -105,6 +105,10 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         offload_activations: bool = False,
         check_unit_order: bool = True,
         collective_timeout: Optional[float] = 600.0,
+        quantized_weights: bool = False,
+        quantized_gradients: Union[bool, str, None] = None,
+        quantization_block_size: int = 256,
+        secondary_partition_size: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -125,7 +129,9 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
             offload_tile_mb=offload_tile_mb, activation_checkpointing=activation_checkpointing,
             activation_checkpointing_interval=activation_checkpointing_interval,
             offload_activations=offload_activations, check_unit_order=check_unit_order,
-            collective_timeout=collective_timeout,
+            collective_timeout=collective_timeout, quantized_weights=quantized_weights,
+            quantized_gradients=quantized_gradients, quantization_block_size=quantization_block_size,
+            secondary_partition_size=secondary_partition_size,
         )
         options = read_options(engine, state_dict_type=state_dict_type, verify_checkpoints=verify_checkpoints,
                                start_method=start_method, timeout=timeout, config=config)
@@ -184,13 +190,13 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         check_world_size(self.world_size, "the Trainer",
                          f"(num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many processes as "
                          "Trainer(devices=..., num_nodes=...) asks for.")
-        self._comm = Collectives(collective_timeout=self.config.collective_timeout)
+        self._comm = self._world_collectives()
 
     @property
     def comm(self) -> Collectives:
         """The engine's collectives over the whole world (see engine/collectives.py)."""
         if self._comm is None:  # a world of one without a process group (tests that skip setup_environment)
-            self._comm = Collectives(collective_timeout=self.config.collective_timeout)
+            self._comm = self._world_collectives()
         return self._comm
 
     # ---- model and optimizers --------------------------------------------------------------
@@ -282,6 +288,9 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
 
     def on_validation_start(self) -> None:
         install_sigterm_handler()
+
+    def on_validation_end(self) -> None:
+        self.comm.begin_step()  # validation's gathers are not the next training step's bytes (comm_stats)
 
     def on_test_start(self) -> None:
         install_sigterm_handler()

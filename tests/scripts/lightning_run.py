@@ -7,6 +7,7 @@ runs once per rank). Each rank writes what it saw to OUT/rank{r}.pt for the test
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import lightning as L
@@ -176,6 +177,8 @@ def main() -> None:
         fit_trainer.fit(model, train, val)
     fit_metrics = {k: float(v) for k, v in fit_trainer.callback_metrics.items()}  # before validate resets them
     memory = fit_trainer.strategy.memory_stats() if hasattr(fit_trainer.strategy, "memory_stats") else {}
+    comm = fit_trainer.strategy.comm_stats() if hasattr(fit_trainer.strategy, "comm_stats") else {}
+    config = dataclasses.asdict(fit_trainer.strategy.config) if hasattr(fit_trainer.strategy, "config") else {}
     validated = fit_trainer.validate(model, val, verbose=False)
     tested = fit_trainer.test(model, val, verbose=False)
     predicted = fit_trainer.predict(model, val)
@@ -190,7 +193,7 @@ def main() -> None:
     }
     torch.save({
         "losses": model.losses, "lrs": model.lrs, "validate": validated, "test": tested,
-        "predict": torch.cat(predicted), "memory": memory, "collectives": collectives,
+        "predict": torch.cat(predicted), "memory": memory, "comm": comm, "config": config, "collectives": collectives,
         "built_on": model.built_on,
         "metrics": fit_metrics, "world_size": fit_trainer.world_size,
         # whole at every stage (a collective); ZeroStrategy's lightning_module_state_dict is empty: see

@@ -1,9 +1,10 @@
-"""Callbacks zero-train adds to Lightning's: throughput, and the per-rank memory table."""
+"""Callbacks zero-train adds to Lightning's: throughput, communication per step, and the per-rank
+memory table."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -72,6 +73,28 @@ class Throughput(Callback):
             pl_module.log(f"throughput/{self.unit}_per_sec", self._window_items / self._window_seconds,
                           rank_zero_only=True)
             self._window_items, self._window_seconds = 0, 0.0
+
+
+class CommStats(Callback):
+    """Logs the bytes rank 0 sent in its last training step (``ZeroStrategy.comm_stats()``), in MiB,
+    as ``comm/<key>_MiB`` for ``keys``, every ``log_every_n_steps``; nothing under other strategies.
+
+    Every rank of a data-parallel step sends the same bytes (see [Note: bytes sent] in
+    engine/comm_volume.py), so rank 0's figures are every rank's.
+    """
+
+    def __init__(self, keys: Sequence[str] = ("total", "inter_node", "all_gather", "reduce_scatter")) -> None:
+        super().__init__()
+        self.keys = tuple(keys)
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        if stats is None or trainer.global_step % trainer.log_every_n_steps:
+            return
+        last = stats()
+        for key in self.keys:
+            pl_module.log(f"comm/{key}_MiB", last[key] / 2**20, rank_zero_only=True)
 
 
 class MemoryTable(Callback):

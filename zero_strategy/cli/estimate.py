@@ -1,12 +1,16 @@
-"""zero-estimate: per-rank model-state memory for each ZeRO stage, without training.
+"""zero-estimate: per-rank model-state memory and communication for each ZeRO stage, without training.
 
     zero-estimate                                     # the default GPT, on the default world
     zero-estimate model=gpt world_size=64             # same overrides as zero-train
     zero-estimate model.net.n_layer=48 model.net.n_embd=1600 world_size=256 precision=bf16-mixed offload=true
+    zero-estimate world_size=64 comm.devices_per_node=8 comm.cluster=dgx-a100 comm.inter_node_gbps=12.5
 
 The model is built on the meta device (shapes only, no memory), so billion-parameter configs
-are counted in a second; the numbers are zero_strategy.estimate_memory's (the ZeRO paper's
-formula), like DeepSpeed's estimate_zero2/zero3_model_states_mem_needs.
+are counted in a second; the memory is zero_strategy.estimate_memory's (the ZeRO paper's
+formula), like DeepSpeed's estimate_zero2/zero3_model_states_mem_needs. With more than one rank it
+also prints the bytes each rank sends per training step, intra- and inter-node, for each stage and
+ZeRO++ option, and the time they take on the cluster's links (zero_strategy.comm_model: the same
+bytes a run's comm_stats() counts).
 """
 
 from __future__ import annotations
@@ -20,22 +24,31 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from ..memory import estimate_memory, normalize_precision
+from omegaconf import OmegaConf
+from rich.table import Table
+
+from ..comm_model import DEFAULT_CLUSTER, Links, links, variant_rows
+from ..config import ZeroConfig
+from ..memory import PRECISION_DTYPES, estimate_memory, normalize_precision
 from .configs import config_dir, register_resolvers
 from .errors import explain_failure
-from .report import print_estimates
+from .report import console, format_bytes, print_estimates
 from .validate import check_config
 
 USAGE = __doc__.split("\n\n")[1]
 
 
-def count_parameters(model_cfg: DictConfig) -> int:
-    """Parameters of the configured network, built on the meta device (no memory, no init cost).
-    Counts unique parameters, so tied input/output embeddings count once, as ZeRO stores them."""
+def build_network(model_cfg: DictConfig) -> torch.nn.Module:
+    """The configured network on the meta device (no memory, no init cost)."""
     node = model_cfg.get("net", model_cfg)  # the network alone: the LightningModule adds no parameters
     with torch.device("meta"):
-        net = hydra.utils.instantiate(node)
-    return sum(p.numel() for p in net.parameters())
+        return hydra.utils.instantiate(node)
+
+
+def count_parameters(model_cfg: DictConfig) -> int:
+    """Parameters of the configured network, built on the meta device. Counts unique parameters, so
+    tied input/output embeddings count once, as ZeRO stores them."""
+    return sum(p.numel() for p in build_network(model_cfg).parameters())
 
 
 def default_world_size(trainer_cfg: DictConfig) -> int:
@@ -62,6 +75,52 @@ def estimate_rows(num_params: int, world_size: int, precision: str, offload: boo
     return rows
 
 
+def engine_settings(strategy_cfg: DictConfig) -> ZeroConfig:
+    """The ZeroConfig settings in the configured strategy (units, buckets, ...); defaults for DDP."""
+    if "zero" not in str(strategy_cfg.get("_target_", "")).lower():
+        return ZeroConfig()
+    given = OmegaConf.to_container(strategy_cfg, resolve=True)
+    fields = set(ZeroConfig.__dataclass_fields__) - {"stage"}
+    return ZeroConfig(**{k: v for k, v in given.items() if k in fields})  # type: ignore[union-attr]
+
+
+def comm_layout(comm_cfg: Any, trainer_cfg: DictConfig, world_size: int) -> tuple[int, Links]:
+    """(ranks per node, link bandwidths) from ``comm.*``: devices_per_node (null: the trainer's devices
+    when they divide the world, else one node), cluster (a preset of comm_model.CLUSTERS) and the
+    per-rank bandwidths that override it."""
+    comm_cfg = comm_cfg or {}
+    per_node = comm_cfg.get("devices_per_node")
+    if per_node is None:
+        devices = default_world_size(trainer_cfg) // int(trainer_cfg.get("num_nodes", 1))
+        per_node = devices if world_size % devices == 0 else world_size
+    if type(per_node) is not int or per_node < 1 or world_size % per_node:
+        raise ValueError(f"comm.devices_per_node={per_node!r} must be a positive integer dividing world_size="
+                         f"{world_size} (every node runs the same number of ranks).")
+    return per_node, links(comm_cfg.get("cluster") or DEFAULT_CLUSTER, comm_cfg.get("intra_node_gbps"),
+                           comm_cfg.get("inter_node_gbps"))
+
+
+def print_comm(rows: list[dict], num_params: int, world_size: int, per_node: int, link: Links,
+               precision: str) -> None:
+    table = Table(title=f"Communication per rank per training step: {num_params:,} parameters, {world_size} ranks "
+                        f"({world_size // per_node} nodes x {per_node}), {precision}")
+    for column in ("variant", "all-gather", "reduce-scatter", "all-reduce", "intra-node", "inter-node", "total"):
+        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=column == "variant")
+    table.add_column("ms", justify="right")
+    for row in rows:
+        st = row["stats"]
+        table.add_row(row["variant"], *(format_bytes(st[k]) for k in ("all_gather", "reduce_scatter", "all_reduce",
+                                                                      "intra_node", "inter_node", "total")),
+                      f"{row['seconds'] * 1e3:,.2f}")
+    out = console()
+    out.print(table)
+    out.print(f"Links per rank: {link.intra_node_gbps:g} GB/s within a node, {link.inter_node_gbps:g} GB/s between "
+              f"nodes ({link.source}). Bytes are those the ring (or all-to-all) algorithm makes each rank send, on "
+              "NCCL; a collective over ranks of several nodes counts as inter-node. Time is bytes over bandwidth, "
+              "nothing overlapped with compute (ms). qwZ: quantized_weights (int8), hpZ: "
+              "secondary_partition_size = devices per node, qgZ: quantized_gradients (qgZ4: int4).")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
@@ -76,18 +135,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if cfg.world_size is not None and (type(cfg.world_size) is not int or cfg.world_size < 1):
             raise ValueError(f"world_size={cfg.world_size!r} must be a positive integer (the number of ranks), "
                              "or null for what the trainer config would launch")
+        world_size = cfg.world_size or default_world_size(cfg.trainer)
+        per_node, link = comm_layout(cfg.get("comm"), cfg.trainer, world_size)
+        base = engine_settings(cfg.strategy)
     except Exception as err:  # noqa: BLE001 - Hydra's message, then ours; no traceback for a typo
         print(f"zero-estimate: {type(err).__name__}: {err}", file=sys.stderr)
         explain_failure(argv, program="zero-estimate", config_name="estimate")
         return 2
     finally:
         GlobalHydra.instance().clear()
-    world_size = cfg.world_size or default_world_size(cfg.trainer)
     precision = normalize_precision(cfg.trainer.precision)
-    num_params = count_parameters(cfg.model)
+    net = build_network(cfg.model)
+    num_params = sum(p.numel() for p in net.parameters())
     stage = cfg.strategy.get("stage", 0) if "zero" in str(cfg.strategy.get("_target_", "")).lower() else 0
     print_estimates(estimate_rows(num_params, world_size, precision, cfg.offload), num_params, world_size,
                     precision, stage, cfg.offload)
+    if world_size > 1:
+        rows = variant_rows(net, base, world_size, per_node, link, dtype=PRECISION_DTYPES[precision],
+                            loss_scaling=precision == "16-mixed", clipping=bool(cfg.trainer.get("gradient_clip_val")),
+                            accumulation_steps=int(cfg.trainer.get("accumulate_grad_batches") or 1))
+        print_comm(rows, num_params, world_size, per_node, link, precision)
     return 0
 
 

@@ -30,7 +30,8 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from .keys import (AUTO_HINT, AUTO_OK, MAPPED, RULES, ZERO_ALIASES, DeepSpeedConfigError, Findings, is_auto,
-                   load_deepspeed_config, read_flag, read_integer, read_number, read_section, typo_hint)
+                   load_deepspeed_config, read_flag, read_integer, read_number, read_section, read_zero_plus_plus,
+                   typo_hint)
 from .optimizers import OptimizerFactory, optimizer_factory
 from .schedulers import scheduler_from_config
 
@@ -259,6 +260,7 @@ class _Reader(Findings):
                 kwargs["offload_tile_mb"] = elements * 4 / 2**20  # a tile of fp32 master weights
             else:
                 self.ignored["zero_optimization.sub_group_size"] = "tiles only an optimizer step offloaded to NVMe here"
+        kwargs.update(read_zero_plus_plus(zero, stage, self))
         return kwargs
 
 

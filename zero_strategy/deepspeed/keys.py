@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple, Union
 
 __all__ = ["AUTO_HINT", "AUTO_OK", "DeepSpeedConfigError", "Findings", "MAPPED", "RULES", "Rule", "ZERO_ALIASES",
            "is_auto", "load_deepspeed_config", "read_flag", "read_integer", "read_number", "read_section",
-           "typo_hint"]
+           "read_zero_plus_plus", "typo_hint"]
 
 
 class DeepSpeedConfigError(ValueError):
@@ -110,7 +110,6 @@ _disabled = Rule(lambda v: isinstance(v, Mapping) and v.get("enabled") is False,
                   "not supported by this package; remove the section or set \"enabled\": false")
 _LOGGING = "logging is Lightning's job: pass Trainer(logger=...)"
 _SPEED = "changes how DeepSpeed schedules its work, not the result"
-_ISSUE_17 = "not supported yet (quantized ZeRO++ communication is planned in issue 17); remove it or set it false"
 _REMOVED = "removed from DeepSpeed too; remove the key"
 
 MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section ("" is the top level)
@@ -125,7 +124,8 @@ MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section (""
     "scheduler": frozenset({"type", "params"}),
     "zero_optimization": frozenset({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size",
                                     "allgather_bucket_size", "stage3_param_persistence_threshold",
-                                    "stage3_prefetch_bucket_size", "sub_group_size"}),
+                                    "stage3_prefetch_bucket_size", "sub_group_size", "zero_quantized_weights",
+                                    "zero_hpz_partition_size", "zero_quantized_gradients"}),
     "zero_optimization.offload_optimizer": frozenset({"device", "nvme_path", "pin_memory"}),
     "zero_optimization.offload_param": frozenset({"device", "nvme_path", "pin_memory"}),
     "activation_checkpointing": frozenset({"cpu_checkpointing"}),
@@ -239,10 +239,9 @@ RULES: dict[str, Rule] = {
         "save_muon_momentum_buffer_in_memory")},
     "zero_optimization.load_from_fp32_weights": _only(True, "the fp32 master is always restored here",
                                                       "checkpoints here always restore the fp32 master; remove it"),
-    "zero_optimization.zero_hpz_partition_size": _only(1, "1: no secondary partition", "hierarchical "
-                                                       "partitioning (ZeRO++ hpZ) is " + _ISSUE_17),
-    **{f"zero_optimization.{key}": _only(False, "false: the default", _ISSUE_17) for key in (
-        "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")},
+    "zero_optimization.zero_quantized_nontrainable_weights": _only(False, "false: the default", "frozen weights "
+                                                                   "are gathered unquantized here (quantized_weights "
+                                                                   "covers all of them when set); set it false"),
     "zero_optimization.zenflow": _refused("ZenFlow's stale-gradient updates are not supported; remove it"),
     **{f"zero_optimization.{key}": _refused(_REMOVED) for key in (
         "mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")},
@@ -319,3 +318,36 @@ def typo_hint(key: str, prefix: str) -> str:
     if key in ("adam_w_mode", "torch_adam") and prefix == "optimizer":
         elsewhere = ["optimizer.params." + key]
     return f" (it belongs at {elsewhere[0]!r})" if elsewhere else ""
+
+
+# ---- ZeRO++ ------------------------------------------------------------------------------------
+
+
+def read_zero_plus_plus(zero: Mapping, stage: int, findings: Findings) -> dict[str, Any]:
+    """ZeroConfig settings from DeepSpeed's ZeRO++ keys of ``zero_optimization``.
+
+    ``zero_quantized_weights`` is ``quantized_weights`` (int8, stage 3); ``zero_hpz_partition_size``
+    above 1 is ``secondary_partition_size`` (stage 3; 1, DeepSpeed's default, is none);
+    ``zero_quantized_gradients`` is ``quantized_gradients="int4"``, the width ZeRO++ sends gradients
+    in. A stage-3 key at another stage is a problem in ``findings``, as DeepSpeed ignores it there.
+    """
+    kwargs: dict[str, Any] = {}
+    path = "zero_optimization."
+    if read_flag(zero.get("zero_quantized_weights", False), path + "zero_quantized_weights"):
+        if stage != 3:
+            findings.problems.append(f"{path}zero_quantized_weights at stage {stage}: it quantizes stage 3's parameter "
+                                     "all-gathers; set stage 3, or remove it")
+        else:
+            kwargs["quantized_weights"] = True
+    size = read_integer(zero.get("zero_hpz_partition_size", 1), path + "zero_hpz_partition_size", 1)
+    if size > 1:
+        if stage != 3:
+            findings.problems.append(f"{path}zero_hpz_partition_size={size} at stage {stage}: the secondary partition "
+                                     "holds stage 3's gathered parameters; set stage 3, or set it to 1")
+        else:
+            kwargs["secondary_partition_size"] = size
+    if read_flag(zero.get("zero_quantized_gradients", False), path + "zero_quantized_gradients"):
+        kwargs["quantized_gradients"] = "int4"
+        findings.notes.append(f"{path}zero_quantized_gradients=true read as quantized_gradients=\"int4\" (ZeRO++'s "
+                              "gradient width), reduced in two hops over nodes as ZeRO++ does")
+    return kwargs

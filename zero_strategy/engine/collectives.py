@@ -1,21 +1,36 @@
-"""The few collectives the engine issues, over one process group.
+"""The few collectives the engine issues, over one process group and the subgroups made from it.
 
-Everything the engine sends goes through one ``Collectives`` object, so tests can substitute a
-subclass that counts or records calls, and a world of size 1 needs no process group at all.
+Everything the engine sends goes through one ``Collectives`` object (and the subgroups it makes,
+which share its counter and node layout), so every byte is counted (see [Note: bytes sent] in
+comm_volume.py, and ``comm_stats()``), tests can substitute a subclass that records calls, and a
+world of size 1 needs no process group at all.
 
 [Note: reduce-scatter on gloo]
 gloo implements reduce-scatter as a full all-reduce of a private copy of the input followed by a
 copy out of the rank's chunk. Calling the all-reduce ourselves, in place, sends the same bytes
 without the two copies (and, at stage 1, leaves the whole gradient averaged).
+
+[Note: quantized reduce-scatter]
+``quantized_reduce_scatter`` (``quantized_gradients``) sends block-quantized chunks (see [Note:
+packed rows] in quantize.py) and sums what arrives after dequantizing it, in fp32, so each rank's
+contribution is rounded once and the rounding errors do not compound along a ring. Over one node,
+or without a node layout, it is one all-to-all: rank j receives every rank's quantized chunk j. Over
+several nodes of several ranks it takes two hops, so that little crosses nodes: first an
+all-to-all among the ranks of a node, which leaves local rank l with its node's partial sums of the
+shards of ranks l, K + l, 2K + l, ... (K ranks per node); then, requantized, an all-to-all among the
+ranks with local index l, one per node, which completes each shard. Rounding happens twice
+(once per hop), not once per rank. The second hop starts when the first is waited for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .comm_volume import CommCounter, NodeLayout, reduce_scatter_algorithm, sent_bytes
+from .quantize import QuantSpec, dequantize_sum, quantize_rows
 from .watchdog import Watchdog
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -53,6 +68,14 @@ class Pending:
             then()
 
 
+def after(pending: Pending, then: Callable[[], object]) -> Pending:
+    """A Pending that waits for ``pending``, then runs ``then`` (dequantizing what arrived, say)."""
+    def finish() -> None:
+        pending.wait()
+        then()
+    return Pending(then=finish)
+
+
 def _copy_unless_same(output: torch.Tensor, input: torch.Tensor) -> None:
     if output.data_ptr() != input.data_ptr():
         output.copy_(input)
@@ -63,18 +86,104 @@ class Collectives:
 
     ``collective_timeout`` (seconds, None: no limit) arms the watchdog of every wait: see
     [Note: hang watchdog] in watchdog.py. ``what`` arguments name a collective in its messages.
+    ``ranks_per_node`` is the node layout (see [Note: intra-node and inter-node bytes] in
+    comm_volume.py; None: ``$LOCAL_WORLD_SIZE``, else one node). ``comm_stats()`` gives the bytes
+    this rank sent in the last step, closed by ``end_step()``.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, collective_timeout: Optional[float] = None) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, collective_timeout: Optional[float] = None,
+                 ranks_per_node: Optional[int] = None, *, _parent: Optional["Collectives"] = None) -> None:
         self.group = group
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
         self.backend = str(dist.get_backend(group)) if initialized else "none"
-        self.watchdog = Watchdog(collective_timeout, self.rank, self.backend)
+        self.collective_timeout = collective_timeout
+        self.watchdog = Watchdog(collective_timeout, dist.get_rank() if initialized else 0, self.backend)
+        if _parent is None:
+            self.nodes = NodeLayout(dist.get_world_size() if initialized else 1, ranks_per_node)
+            self.counter = CommCounter()
+            self._subgroups: dict[tuple, "Collectives"] = {}
+        else:  # a subgroup counts into its parent's counter, on the same nodes
+            self.nodes, self.counter, self._subgroups = _parent.nodes, _parent.counter, _parent._subgroups
+        self.global_ranks = [self.global_rank(r) for r in range(self.world_size)]
+        self.inter_node = self.nodes.spans_nodes(self.global_ranks)
 
     def _pending(self, work: Optional[dist.Work], then: Optional[Callable[[], object]], what: Describe) -> Pending:
         return Pending(work, then, self.watchdog, what)
+
+    def _count(self, kind: str, algorithm: str, nbytes: int) -> None:
+        self.counter.add(kind, sent_bytes(algorithm, nbytes, self.world_size), self.inter_node)
+
+    # ---- accounting: see [Note: bytes sent] in comm_volume.py ---------------------------------
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank sent in the last step (closed by ``end_step``), by collective kind and by
+        link: all_gather, reduce_scatter, all_reduce, broadcast, total, intra_node, inter_node."""
+        return self.counter.last()
+
+    def begin_step(self) -> None:
+        """Forget what was counted since the last ``end_step`` (set-up, an evaluation loop)."""
+        self.counter.begin_step()
+
+    def end_step(self) -> None:
+        """A training step (its optimizer step) ended: its bytes become ``comm_stats()``."""
+        self.counter.end_step()
+
+    # ---- subgroups ---------------------------------------------------------------------------
+
+    def split(self, partition: Sequence[Sequence[int]]) -> "Collectives":
+        """This rank's group among ``partition`` (lists of ranks of this group that cover it), as a
+        Collectives counting into this one's counter. Each partition's process groups are created
+        once, on first use, which every rank must reach at the same point (creating a group is a
+        collective of the whole world)."""
+        key = tuple(tuple(sorted(ranks)) for ranks in partition)
+        if sorted(r for ranks in key for r in ranks) != list(range(self.world_size)):
+            raise ValueError(f"partition {[list(k) for k in key]} must hold each of the {self.world_size} ranks once")
+        if self.world_size == 1:
+            return self
+        if key not in self._subgroups:
+            if self.world_size != dist.get_world_size():
+                raise ValueError(f"subgroups are made from the whole world ({dist.get_world_size()} ranks); this "
+                                 f"group has {self.world_size}: give the engine the default process group.")
+            mine = None
+            for ranks in key:  # every rank creates every group, in the same order
+                group = dist.new_group([self.global_rank(r) for r in ranks])
+                if self.rank in ranks:
+                    mine = group
+            self._subgroups[key] = Collectives(mine, self.collective_timeout, _parent=self)
+        return self._subgroups[key]
+
+    def consecutive(self, size: int) -> "Collectives":
+        """This rank's group of ``size`` consecutive ranks (size divides the world size)."""
+        if size < 1 or self.world_size % size:
+            raise ValueError(f"groups of {size} ranks do not divide the {self.world_size} ranks")
+        return self.split([range(start, start + size) for start in range(0, self.world_size, size)])
+
+    def within_node(self, size: int, name: str = "size") -> "Collectives":
+        """This rank's group of ``size`` consecutive ranks, which must lie within one node; ``name``
+        is the setting that asked, for the errors."""
+        world, per_node = self.world_size, self.nodes.ranks_per_node
+        if world % size:
+            raise ValueError(f"{name}={size} does not divide the world size {world}: every rank needs a group of "
+                             f"{size}. Use a divisor of {world} (usually the devices per node).")
+        if per_node == 1:
+            raise ValueError(f"{name}={size} with one rank per node: a group of {size} ranks would span nodes, so "
+                             "its all-gathers would cross them anyway. Drop it, or give the engine the node layout "
+                             "(Collectives(ranks_per_node=...), or $LOCAL_WORLD_SIZE).")
+        if per_node % size:
+            raise ValueError(f"{name}={size} does not divide the {per_node} ranks per node: some groups would span "
+                             f"two nodes. Use a divisor of {per_node}.")
+        return self.consecutive(size)
+
+    def hierarchy(self) -> Optional[tuple["Collectives", "Collectives"]]:
+        """(this rank's node, the ranks with this rank's local index: one per node), when the world
+        has several nodes of several ranks; None otherwise (or for a group smaller than the world)."""
+        per_node, nodes = self.nodes.ranks_per_node, self.nodes.num_nodes
+        if self.world_size != self.nodes.world_size or per_node == 1 or nodes == 1:
+            return None
+        same_local = self.split([range(local, self.world_size, per_node) for local in range(per_node)])
+        return self.consecutive(per_node), same_local
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, what: Describe = _unnamed) -> Pending:
         """Sum ``input`` (world_size equal chunks) over ranks into ``output`` (this rank's chunk).
@@ -85,6 +194,7 @@ class Collectives:
         chunk = input.view(self.world_size, -1)[self.rank]
         if self.world_size == 1:
             return Pending(then=lambda: _copy_unless_same(output, chunk))
+        self._count("reduce_scatter", reduce_scatter_algorithm(self.backend), input.numel() * input.element_size())
         if self.backend == "gloo":  # see [Note: reduce-scatter on gloo]
             work = dist.all_reduce(input, group=self.group, async_op=True)
             return self._pending(work, lambda: _copy_unless_same(output, chunk), what)
@@ -94,11 +204,47 @@ class Collectives:
         """Concatenate every rank's ``input`` into ``output``; ``input`` may alias its own chunk."""
         if self.world_size == 1:
             return Pending(then=lambda: _copy_unless_same(output, input))
+        self._count("all_gather", "all_gather", output.numel() * output.element_size())
         return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what)
+
+    def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, spec: QuantSpec,
+                                 what: Describe = _unnamed, noise: Optional[torch.Generator] = None) -> Pending:
+        """``reduce_scatter`` with block-quantized chunks, summed in fp32 (see [Note: quantized
+        reduce-scatter]); ``output`` may be this rank's chunk of ``input``. ``noise``: round
+        stochastically with its draws (see [Note: stochastic rounding] in quantize.py)."""
+        n = self.world_size
+        if n == 1:
+            return self.reduce_scatter(output, input, what)
+        shard = input.numel() // n
+        hierarchy = self.hierarchy()
+        if hierarchy is None:
+            packed = quantize_rows(input.view(n, shard), spec, noise=noise)  # (n, row bytes): chunk j for rank j
+            return self._all_to_all_packed(packed, "reduce_scatter", what,
+                                           lambda got: output.copy_(dequantize_sum(got, shard, spec)))
+        node, same_local = hierarchy
+        per_node, nodes = node.world_size, same_local.world_size
+        # chunk for local peer l: the shards of ranks l, K + l, 2K + l, ...: (K, nodes * shard)
+        rows = input.view(nodes, per_node, shard).transpose(0, 1).reshape(per_node, nodes * shard)
+
+        def second_hop(got: torch.Tensor) -> None:
+            partial = dequantize_sum(got, nodes * shard, spec).view(nodes, shard)  # this node's sums
+            same_local._all_to_all_packed(quantize_rows(partial, spec, noise=noise), "reduce_scatter", what,
+                                          lambda got2: output.copy_(dequantize_sum(got2, shard, spec))).wait()
+
+        return node._all_to_all_packed(quantize_rows(rows, spec, noise=noise), "reduce_scatter", what, second_hop)
+
+    def _all_to_all_packed(self, packed: torch.Tensor, kind: str, what: Describe,
+                           then: Callable[[torch.Tensor], object]) -> Pending:
+        """Row j of ``packed`` to rank j; ``then(received)`` once every rank's row for this one arrived."""
+        received = torch.empty_like(packed)
+        self._count(kind, "all_to_all", packed.numel())
+        work = dist.all_to_all_single(received, packed, group=self.group, async_op=True)
+        return self._pending(work, lambda: then(received), what)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: Describe = _unnamed) -> None:
         """In-place, synchronous broadcast from ``src`` (a rank of this group)."""
         if self.world_size > 1:
+            self._count("broadcast", "broadcast", tensor.numel() * tensor.element_size())
             work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
             self._pending(work, None, what).wait()
 
@@ -106,6 +252,7 @@ class Collectives:
                    what: Describe = _unnamed) -> None:
         """In-place, synchronous all-reduce of a small tensor."""
         if self.world_size > 1:
+            self._count("all_reduce", "all_reduce", tensor.numel() * tensor.element_size())
             self._pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), None, what).wait()
 
     def all_gather_shards(self, shard: torch.Tensor, what: Describe = _unnamed) -> torch.Tensor:

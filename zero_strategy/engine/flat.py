@@ -32,6 +32,23 @@ then the device's working copy; see [Note: where offloaded bytes live] in offloa
 ``offload_shard`` (sharded groups only) keeps ``shard`` in host memory: ``gather()`` copies it to
 the device for the all-gather. When both hold and the shard already has the master's dtype, the
 shard is its own master.
+
+[Note: quantized gathers]
+With ``quantize`` (``quantized_weights``) each rank sends its shard of a segment as one packed row
+(see [Note: packed rows] in quantize.py) and every rank dequantizes all the rows, its own included,
+into the full buffer: every rank computes with the same weights, and gathering the unchanged shard
+again (backward) gives the same ones. Only the full buffer is approximate: the shard, the master
+and the optimizer step stay exact, and the gathers of checkpoints and ``gathered_parameters`` are
+exact ones (``commit_gathered`` refuses a quantized buffer, which would round the shard).
+
+[Note: secondary partition]
+With ``keep_secondary`` (``secondary_partition_size`` K, ZeRO++'s hpZ) a forward gather also keeps
+part l of each segment, l this rank's index among K consecutive ranks (one node's, or part of one):
+the segment's l-th K-th, or, after a quantized gather, the l-th K-th of its packed rows (the rows of
+primary shards l*N/K up to (l+1)*N/K), so that backward rebuilds exactly the forward's weights.
+``gather_secondary`` all-gathers those parts within the K ranks, which then hold the whole
+segment again, and no byte of it crosses a node. ``drop_secondary`` frees them once backward is
+done with the unit.
 """
 
 from __future__ import annotations
@@ -40,9 +57,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .collectives import Collectives, Describe, Pending
+from .collectives import Collectives, Describe, Pending, after
 from .layout import GroupLayout, Piece, Segment, align_elements, plan_group
 from .offload import HOST, host_copy
+from .quantize import QuantSpec, dequantize_rows, packed_row_bytes, quantize_rows
 
 _ONE_SEGMENT = 2**62  # a bucket larger than any group: one segment
 
@@ -78,6 +96,7 @@ class FlatGroup:
         self._point_params_at(self.buffer)
         self.offload_master = offload_master
         self.master_shard: Optional[torch.Tensor] = None  # see [Note: master copies]
+        self.reduce_quantization: Optional[QuantSpec] = None  # how its gradients travel (quantized_gradients)
         self._master_dtype = (master_dtype or self.dtype) if offload_master else master_dtype
 
     def _make_master(self, own: torch.Tensor, shard: Optional[torch.Tensor]) -> None:
@@ -226,6 +245,9 @@ class ShardedGroup(FlatGroup):
         own = torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments])
         self.offload_shard = offload_shard
         self.shard: torch.Tensor = host_copy(own, self.dtype, self.device) if offload_shard else own
+        self.secondary: list[torch.Tensor] = []  # per segment: see [Note: secondary partition]
+        self.secondary_spec: Optional[QuantSpec] = None  # how the secondary parts are stored
+        self.quantized = False  # the full buffer holds dequantized weights: see [Note: quantized gathers]
         self._make_master(own, self.shard)
         self._full = self.buffer
         self.release()
@@ -234,18 +256,79 @@ class ShardedGroup(FlatGroup):
         return self.shard_slice(self.shard, piece)
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return [self.shard] + ([self.buffer] if self.buffer is not None else [])
+        return [self.shard, *self.secondary] + ([self.buffer] if self.buffer is not None else [])
 
-    def gather(self, comm: Collectives, what: Describe) -> list[Pending]:
-        """Start all-gathering the full buffer; parameters point at it (valid once waited)."""
-        if self.buffer is not None:
-            return []
+    def _allocate(self) -> torch.Tensor:
         self._full.untyped_storage().resize_(self.layout.numel * self._full.element_size())
         self.buffer = self._full
         self._point_params_at(self.buffer)
+        return self.buffer
+
+    def gather(self, comm: Collectives, what: Describe, quantize: Optional[QuantSpec] = None,
+               keep_secondary: Optional[Collectives] = None) -> list[Pending]:
+        """Start all-gathering the full buffer; parameters point at it (valid once waited).
+
+        ``quantize``: block-quantized (see [Note: quantized gathers]); ``keep_secondary``: also keep
+        this rank's part over that group once gathered (see [Note: secondary partition]).
+        """
+        if self.buffer is not None:
+            return []
+        buffer = self._allocate()
+        self.quantized = quantize is not None
+        self.secondary_spec = quantize if keep_secondary is not None else self.secondary_spec
+        keep = [] if keep_secondary is None else self.secondary
+        keep.clear()
+        k, index = (keep_secondary.world_size, keep_secondary.rank) if keep_secondary is not None else (1, 0)
+        n = self.layout.world_size
         shard = self.shard.to(self.device, non_blocking=True)  # a host shard goes to the device first
-        return [comm.all_gather(self.segment_of(self.buffer, seg), self.segment_shard(shard, seg), what)
-                for seg in self.segments]
+        pending = []
+        for seg in self.segments:
+            out, own = self.segment_of(buffer, seg), self.segment_shard(shard, seg)
+            if quantize is None:
+                p = comm.all_gather(out, own, what)
+                if keep_secondary is not None:
+                    part = seg.numel // k
+                    p = after(p, lambda out=out, part=part: keep.append(out[index * part : (index + 1) * part].clone()))
+            else:
+                rows = torch.empty((n, packed_row_bytes(seg.shard_numel, quantize)), dtype=torch.uint8,
+                                   device=self.device)
+                p = comm.all_gather(rows.view(-1), quantize_rows(own.view(1, -1), quantize).view(-1), what)
+
+                def unpack(out=out, rows=rows, seg=seg) -> None:
+                    out.view(n, -1).copy_(dequantize_rows(rows, seg.shard_numel, quantize))
+                    if keep_secondary is not None:
+                        keep.append(rows[index * (n // k) : (index + 1) * (n // k)].clone())
+                p = after(p, unpack)
+            pending.append(p)
+        return pending
+
+    def gather_secondary(self, comm: Collectives, what: Describe) -> list[Pending]:
+        """Start all-gathering the full buffer from the secondary parts over ``comm``, the group they
+        were kept over (see [Note: secondary partition])."""
+        if self.buffer is not None:
+            return []
+        assert len(self.secondary) == len(self.segments), "no secondary partition was kept"
+        buffer = self._allocate()
+        spec, n = self.secondary_spec, self.layout.world_size
+        self.quantized = spec is not None
+        pending = []
+        for seg, part in zip(self.segments, self.secondary):
+            out = self.segment_of(buffer, seg)
+            if spec is None:
+                pending.append(comm.all_gather(out, part, what))
+                continue
+            rows = torch.empty((n, part.shape[1]), dtype=torch.uint8, device=self.device)
+            p = comm.all_gather(rows.view(-1), part.view(-1), what)
+            pending.append(after(p, lambda out=out, rows=rows, seg=seg:
+                                 out.view(n, -1).copy_(dequantize_rows(rows, seg.shard_numel, spec))))
+        return pending
+
+    @property
+    def has_secondary(self) -> bool:
+        return bool(self.secondary)
+
+    def drop_secondary(self) -> None:
+        self.secondary.clear()
 
     def release(self) -> None:
         """Free the full buffer's memory; parameters become empty until the next gather."""
@@ -268,6 +351,10 @@ class ShardedGroup(FlatGroup):
         """Keep this rank's slices of the gathered (edited or loaded) full buffer: into the shard, and
         the master."""
         assert self.buffer is not None
+        if self.quantized:
+            raise RuntimeError("these parameters were gathered quantized for a training step (quantized_weights): "
+                               "keeping their values would round the exact shards. Edit or load them outside the "
+                               "training step's forward and backward, where gathered_parameters gathers exactly.")
         for seg in self.segments:
             own = self.own_shard_of(self.buffer, seg)
             self.segment_shard(self.shard, seg).copy_(own)

@@ -34,10 +34,13 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives
+from .collectives import Collectives, Pending
 from .flat import FlatGroup
 from .layout import Piece
 from .offload import host_empty, wait_for_copies
+
+ROUNDING_SEED = 0x5EED
+"""Seed of the stochastic rounding of quantized gradients (plus the rank): runs repeat."""
 
 MAX_INFLIGHT = 2
 """Stage 2 reductions in flight before backward waits for the oldest. Bounds the staging memory to
@@ -94,6 +97,10 @@ class GradientReducer:
             host_empty(g.layout.shard_numel, dt, g.device).zero_() for g, dt in zip(self.groups, host_dtypes)
         ] if host_dtypes is not None else [None] * len(self.groups)
         self.order = launch_order(self.groups, position)
+        self._rounding: Optional[torch.Generator] = None  # for quantized_gradients: see _reduce_scatter
+        if any(g.reduce_quantization is not None for g in self.groups):
+            self._rounding = torch.Generator(self.groups[0].device)
+            self._rounding.manual_seed(ROUNDING_SEED + (dist.get_rank() if dist.is_initialized() else 0))
         self.received = [[False] * len(g.params) for g in self.groups]
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, gi, i))
@@ -102,6 +109,15 @@ class GradientReducer:
 
     def _on_grad(self, gi: int, i: int, param: torch.nn.Parameter) -> None:
         raise NotImplementedError
+
+    def _reduce_scatter(self, gi: int, output: torch.Tensor, input: torch.Tensor, what) -> Pending:
+        """One segment's reduction, block-quantized when the group says so (``quantized_gradients``:
+        see [Note: quantized reduce-scatter] in collectives.py), rounded stochastically with this
+        reducer's generator (see [Note: stochastic rounding] in quantize.py)."""
+        spec = self.groups[gi].reduce_quantization
+        if spec is None:
+            return self.comm.reduce_scatter(output, input, what)
+        return self.comm.quantized_reduce_scatter(output, input, spec, what, noise=self._rounding)
 
     def _describe(self, gi: int, si: int) -> str:
         seg = self.groups[gi].segments[si]
@@ -181,8 +197,8 @@ class FullGradientReducer(GradientReducer):
             full = group.segment_of(self.grad_buffers[gi], seg)
             if self.comm.world_size > 1:
                 full.div_(self.comm.world_size)
-            pending.append(self.comm.reduce_scatter(group.own_shard_of(self.grad_buffers[gi], seg), full,
-                                                    functools.partial(self._describe, gi, si)))
+            pending.append(self._reduce_scatter(gi, group.own_shard_of(self.grad_buffers[gi], seg), full,
+                                                functools.partial(self._describe, gi, si)))
         for (gi, si), p in zip(self.order, pending):  # see [Note: gradients to the host]
             p.wait()
             host, group = self.host_grads[gi], self.groups[gi]
@@ -309,7 +325,7 @@ class ShardedGradientReducer(GradientReducer):
         else:
             output = torch.empty_like(target) if add else target
         what = functools.partial(self._describe, gi, si)
-        self._inflight.append((self.comm.reduce_scatter(output, staging, what), buffer, output, target, add))
+        self._inflight.append((self._reduce_scatter(gi, output, staging, what), buffer, output, target, add))
         self._finish(len(self._inflight) - MAX_INFLIGHT)
 
     def _finish(self, count: int) -> None:

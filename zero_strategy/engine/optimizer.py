@@ -268,6 +268,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reduce_gradients()
         if self._step.overflow:  # parameters and optimizer state stay as they are
             self.scaler.update(overflow=True)
+            self.comm.end_step()
             return loss
         for tensors in self._pieces:
             for t in tensors:
@@ -289,6 +290,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         self._all_gather_params()
+        self.comm.end_step()  # the step's bytes become comm_stats()
         self.optim._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check this flag,
         self._opt_called = True  # on whichever optimizer they were pointed at
         return loss
@@ -439,6 +441,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._keep_state_on_host()
         if self._disk is not None:
             self._disk.spill(self._pieces, [[p.shard_offset for p in g.pieces] for g in self.groups], self.inner.state)
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank sent since the step before the last one ended, through the last one's end
+        (its forward, backward and step), by collective kind and by link (see [Note: bytes sent] in
+        engine/comm_volume.py). With several optimizers, each step closes the count."""
+        return self.comm.comm_stats()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this engine keeps alive, by kind (the inner optimizer's state aside), and under

@@ -63,7 +63,7 @@ from .unit import Unit, UnitState
 from .unit_plan import UnitPlan, plan_units
 
 
-def _split(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
+def split_groups(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
     """Flat groups of a unit: by dtype, device, requires_grad, and which optimizer steps them (each
     optimizer's gradient reducer then hooks only its own parameters)."""
     runs: dict[tuple, list] = {}
@@ -175,6 +175,11 @@ class ParameterSharder:
         self._root_held_for_step = False
         self._in_pass = False  # between _begin_pass and _end_pass
         self._reduced: set[int] = set()  # ids of groups whose gradients were handed over in this backward
+        self.weight_quantization = config.weight_quantization  # see [Note: quantized gathers] in flat.py
+        size = config.secondary_partition_size if config.stage == 3 else None  # see [Note: secondary partition]
+        self.secondary = comm.within_node(size, "secondary_partition_size") if size is not None else None
+        if config.gradient_quantization is not None:
+            comm.hierarchy()  # its process groups, now, at the same point on every rank
         self._handles = []
         if config.stage == 3:
             assert self.module is not None
@@ -188,6 +193,12 @@ class ParameterSharder:
                 for g in unit.groups:
                     for p in g.params:
                         p._zero_sharder = self  # for gathered_parameters()
+        comm.begin_step()  # the first step's bytes start here: set-up broadcasts are not a step's
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank sent in its last training step (see [Note: bytes sent] in comm_volume.py):
+        all_gather, reduce_scatter, all_reduce, broadcast, total, intra_node, inter_node."""
+        return self.comm.comm_stats()
 
     def groups_of(self, optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
         """The trainable flat groups holding ``optimizer``'s parameters (which it steps and reduces)."""
@@ -226,7 +237,7 @@ class ParameterSharder:
             _materialize(on_meta, owners, self._device or torch.device("cpu"))
         n, r, config = self.comm.world_size, self.comm.rank, self.config
         groups: list[FlatGroup] = []
-        for ps in _split(params, self._optimizer_of):
+        for ps in split_groups(params, self._optimizer_of):
             trainable = ps[0].requires_grad
             # stage 3 builds units from rank 0's values (and materialises meta ones); stages 1-2 take the
             # parameters as they are (equal on every rank, as for DDP)
@@ -241,6 +252,8 @@ class ParameterSharder:
             else:  # cut into buckets too, so a big unit (the root) is reduced in pieces
                 groups.append(ShardedGroup(ps, n, r, bucket_numel=bucket, offload_shard=config.offload_params,
                                            **common))
+            if trainable:
+                groups[-1].reduce_quantization = config.gradient_quantization
         return groups
 
     @property
@@ -256,11 +269,28 @@ class ParameterSharder:
 
     def gather(self, unit: Unit, phase: int = OUTSIDE, wait: bool = True, context: Optional[Unit] = None) -> None:
         """Gather ``unit`` (after the order guard agreed on it: see [Note: order guard]); ``context``
-        is the unit whose hook asks, for the guard's message."""
+        is the unit whose hook asks, for the guard's message.
+
+        [Note: which gather]
+        Outside forward and backward (state dicts, gathered_parameters) a gather is exact, over all
+        ranks. In forward it is quantized with ``quantized_weights``, and with a secondary partition
+        it keeps this rank's secondary part when a backward will follow (grad enabled; not for the
+        root, held through backward anyway). In backward (and recomputation in it) a unit that kept
+        its secondary parts is gathered from them, within its secondary group; any other the way
+        forward gathers it (and without keeping anything).
+        """
         if unit.state is UnitState.RELEASED:
             self.guard.check(unit.index, phase, context.index if context is not None else -1)
-            unit.gather(self.comm, lambda: f"all-gather of stage-3 unit {unit.name!r} ({PHASES[phase]}, "
-                                           f"pass {self.guard.passes})")
+            backward = phase in (BACKWARD, PREFETCH_BACKWARD, RECOMPUTE)
+            if backward and self.secondary is not None and unit.has_secondary:
+                unit.gather_secondary(self.secondary, lambda: f"all-gather of stage-3 unit {unit.name!r} from its "
+                                      f"secondary partition ({PHASES[phase]}, pass {self.guard.passes})")
+            else:
+                keep = self.secondary if (phase in (FORWARD, PREFETCH_FORWARD) and unit is not self.root
+                                          and torch.is_grad_enabled() and not unit.has_secondary) else None
+                unit.gather(self.comm, lambda: f"all-gather of stage-3 unit {unit.name!r} ({PHASES[phase]}, "
+                                               f"pass {self.guard.passes})",
+                            None if phase == OUTSIDE else self.weight_quantization, keep)
         if wait:
             unit.wait()
 
@@ -350,6 +380,7 @@ class ParameterSharder:
         self._last = None
         for unit in self.all_units:
             unit.release()
+            unit.drop_secondary()
         self.guard.flush()
 
     # ---- called by the gradient reducer ----------------------------------------------------
@@ -361,6 +392,7 @@ class ParameterSharder:
         if unit is not None and unit is not self.root:
             if all(id(g) in self._reduced for g in unit.groups if g.params[0].requires_grad):
                 unit.release()
+                unit.drop_secondary()  # backward is done with it
 
     def backward_finished(self) -> None:
         self._reduced.clear()

@@ -7,12 +7,13 @@ The unit owns its lifecycle (``gather``, ``wait``, ``release``, ``hold``); the s
 from __future__ import annotations
 
 import enum
-from typing import Callable
+from typing import Callable, Optional
 
 from torch import nn
 
 from .collectives import Collectives, Pending, wait_all
-from .flat import FlatGroup
+from .flat import FlatGroup, ShardedGroup
+from .quantize import QuantSpec
 
 
 class UnitState(enum.Enum):
@@ -44,13 +45,37 @@ class Unit:
         """Whether the full buffers exist (all-gathers may still be in flight)."""
         return self.state is not UnitState.RELEASED
 
-    def gather(self, comm: Collectives, what: Callable[[], str]) -> None:
-        """Start the all-gathers of a released unit (nothing otherwise); ``wait()`` before reading."""
+    def gather(self, comm: Collectives, what: Callable[[], str], quantize: Optional[QuantSpec] = None,
+               keep_secondary: Optional[Collectives] = None) -> None:
+        """Start the all-gathers of a released unit (nothing otherwise); ``wait()`` before reading.
+        ``quantize`` and ``keep_secondary``: see [Note: quantized gathers] and [Note: secondary
+        partition] in flat.py."""
         if self.state is not UnitState.RELEASED:
             return
-        for g in self.groups:
-            self._pending += g.gather(comm, what)
+        for g in self._sharded():
+            self._pending += g.gather(comm, what, quantize, keep_secondary)
         self.state = UnitState.GATHERING
+
+    def gather_secondary(self, comm: Collectives, what: Callable[[], str]) -> None:
+        """Like ``gather``, from the secondary parts kept by the forward gather, over their group."""
+        if self.state is not UnitState.RELEASED:
+            return
+        for g in self._sharded():
+            self._pending += g.gather_secondary(comm, what)
+        self.state = UnitState.GATHERING
+
+    @property
+    def has_secondary(self) -> bool:
+        """Whether every group kept its secondary part (see [Note: secondary partition] in flat.py)."""
+        return bool(self.groups) and all(g.has_secondary for g in self._sharded())
+
+    def drop_secondary(self) -> None:
+        for g in self._sharded():
+            g.drop_secondary()
+
+    def _sharded(self) -> list[ShardedGroup]:
+        assert all(isinstance(g, ShardedGroup) for g in self.groups), "a unit holds sharded groups only"
+        return self.groups  # type: ignore[return-value]
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ZeroConfig
+from ..engine.collectives import Collectives
 from ..deepspeed.config import DeepSpeedConfigError, DeepSpeedSettings, map_deepspeed_config
 
 DeepSpeedConfig = Union[Mapping[str, Any], str, os.PathLike]
@@ -173,3 +174,19 @@ class ProcessLayout:
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore[attr-defined]
+
+    def _world_collectives(self) -> Collectives:
+        """The engine's collectives over the whole world, on this launch's node layout: ``num_processes``
+        ranks (devices) on each node, which decides what ``comm_stats()`` files as inter-node and where
+        ``secondary_partition_size`` groups may lie."""
+        config: ZeroConfig = self.config  # type: ignore[attr-defined]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        per_node = self.num_processes if self.num_processes and world % self.num_processes == 0 else None
+        return Collectives(collective_timeout=config.collective_timeout, ranks_per_node=per_node)
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank sent in its last training step (forward, backward and optimizer step), by
+        collective kind and by link: all_gather, reduce_scatter, all_reduce, broadcast, total,
+        intra_node, inter_node (see [Note: bytes sent] in engine/comm_volume.py). Zeros before the
+        first step."""
+        return self.comm.comm_stats()  # type: ignore[attr-defined]

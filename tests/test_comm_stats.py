@@ -1,0 +1,188 @@
+"""Communication accounting on 4 gloo ranks laid out as 2 nodes of 2: comm_stats() of real steps
+equals the communication model's prediction exactly (stages 1-3, with and without each option, per
+phase of the step), quantized all-gathers send about a quarter (fp32) or half (bf16) of the bytes,
+and the secondary partition keeps backward's all-gathers inside the nodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zero_strategy.comm_model import predict_step_bytes
+from zero_strategy.config import ZeroConfig
+from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
+
+from .distributed import run_distributed
+
+WORLD, PER_NODE = 4, 2
+VOCAB, WIDTH = 64, 32
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)  # 32 + 32 elements: resident (whole on every rank) at stage 3
+        self.fc = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Tied embeddings (the root unit), three blocks (units), a final norm (resident)."""
+
+    def __init__(self, d: int = WIDTH) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        h = self.wte(idx)  # (B, T, C)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))  # (B, T, V)
+
+
+def _config(stage: int, options: dict) -> ZeroConfig:
+    stage3 = dict(shard_modules=("Block",), param_persistence_threshold=100) if stage == 3 else {}
+    # buckets of 2621 fp32 elements: several segments per group; blocks of 64: several per shard
+    return ZeroConfig(**{"stage": stage, "bucket_cap_mb": 0.01, "quantization_block_size": 64, **stage3, **options})
+
+
+# name: (stage, options, dtype, clip): every option at the stages it exists at, fp32 and bf16
+CASES = {
+    "stage1": (1, {}, torch.float32, False),
+    "stage1-qgZ-int8": (1, {"quantized_gradients": "int8"}, torch.float32, False),
+    "stage2-clip": (2, {}, torch.float32, True),
+    "stage2-qgZ-int4": (2, {"quantized_gradients": "int4"}, torch.float32, False),
+    "stage3": (3, {}, torch.float32, False),
+    "stage3-bf16": (3, {}, torch.bfloat16, True),
+    "stage3-qwZ": (3, {"quantized_weights": True}, torch.float32, False),
+    "stage3-qwZ-bf16": (3, {"quantized_weights": True}, torch.bfloat16, False),
+    "stage3-hpZ": (3, {"secondary_partition_size": 2}, torch.float32, False),
+    "stage3-qgZ-int8": (3, {"quantized_gradients": "int8"}, torch.float32, False),
+    "stage3-zero++": (3, {"quantized_weights": True, "secondary_partition_size": 2, "quantized_gradients": "int4"},
+                      torch.float32, True),
+    # without the order guard's tag all-gathers: the parameters' all-gathers alone
+    "stage3-noguard": (3, {"check_unit_order": False}, torch.float32, False),
+    "stage3-noguard-bf16": (3, {"check_unit_order": False}, torch.bfloat16, False),
+    "stage3-noguard-qwZ": (3, {"check_unit_order": False, "quantized_weights": True,
+                               "quantization_block_size": 256}, torch.float32, False),  # the default block
+    "stage3-noguard-qwZ-bf16": (3, {"check_unit_order": False, "quantized_weights": True,
+                                    "quantization_block_size": 256}, torch.bfloat16, False),
+    "stage3-noguard-hpZ": (3, {"check_unit_order": False, "secondary_partition_size": 2}, torch.float32, False),
+}
+
+
+def _train(rank: int, world_size: int, names: list[str]) -> dict:
+    """Two steps of each case; per case, the counter's bytes per phase of the second step, its
+    comm_stats() and the final parameters."""
+    out = {}
+    for name in names:
+        stage, options, dtype, clip = CASES[name]
+        config = _config(stage, options)
+        torch.manual_seed(0)
+        model = TinyLM().to(dtype)
+        user_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        comm = Collectives(ranks_per_node=PER_NODE)
+        sharder = shard_module(model, config, comm) if stage == 3 else None
+        opt = ZeroOptimizer(user_opt, config, comm, sharder=sharder)
+        for step in range(2):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            idx = torch.randint(0, VOCAB, (2, 6), generator=g)
+            phases = {}
+            before = dict(comm.counter.current)
+            loss = F.cross_entropy(model(idx[:, :-1]).float().reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+            phases["forward"] = dict(comm.counter.current)
+            loss.backward()
+            phases["backward"] = dict(comm.counter.current)
+            if clip:
+                opt.clip_grad_norm_(1.0)
+            opt.step()
+            phases["step"] = opt.comm_stats()  # the step's total: the counter closed it
+            opt.zero_grad()
+        deltas, last = {}, before
+        for phase in ("forward", "backward", "step"):
+            deltas[phase] = {k: phases[phase][k] - last[k] for k in last}
+            last = phases[phase]
+        from zero_strategy import gathered_parameters
+
+        with gathered_parameters(model):
+            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        out[name] = {"phases": deltas, "stats": opt.comm_stats(), "sharder_stats": sharder.comm_stats()
+                     if sharder is not None else None, "params": params}
+    return out
+
+
+def _predicted(name: str, by_phase: bool):
+    stage, options, dtype, clip = CASES[name]
+    with torch.device("meta"):
+        model = TinyLM()
+    return predict_step_bytes(model, _config(stage, options), WORLD, PER_NODE, backend="gloo", dtype=dtype,
+                              clipping=clip, by_phase=by_phase)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_train, WORLD, list(CASES))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(CASES))
+def test_comm_stats_equal_the_models_prediction_exactly(runs, name):
+    want, phases = _predicted(name, by_phase=False), _predicted(name, by_phase=True)
+    for rank, result in enumerate(runs):
+        got = result[name]
+        assert got["stats"] == want, f"rank {rank}"
+        if got["sharder_stats"] is not None:
+            assert got["sharder_stats"] == want
+        for phase in ("forward", "backward", "step"):
+            assert got["phases"][phase] == phases.get(phase, {k: 0 for k in want}), f"rank {rank}, {phase}"
+    assert want["total"] == sum(want[k] for k in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"))
+    assert want["total"] == want["intra_node"] + want["inter_node"] > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dtype", "ratio"), [("", 4.0), ("-bf16", 2.0)])
+def test_quantized_weights_send_a_quarter_for_fp32_and_half_for_bf16(runs, dtype, ratio):
+    plain, quantized = runs[0][f"stage3-noguard{dtype}"], runs[0][f"stage3-noguard-qwZ{dtype}"]
+    for run in (plain, quantized):  # forward and backward all-gather units over all ranks: across nodes
+        for phase in ("forward", "backward"):
+            bytes_ = run["phases"][phase]
+            assert bytes_["all_gather"] + bytes_["reduce_scatter"] == bytes_["inter_node"] and not bytes_["intra_node"]
+    forward = plain["phases"]["forward"]["all_gather"] / quantized["phases"]["forward"]["all_gather"]
+    backward = plain["phases"]["backward"]["all_gather"] / quantized["phases"]["backward"]["all_gather"]
+    # int8 codes plus one fp32 scale per 256 elements: 1 + 1/64 bytes an element instead of 4 (or 2)
+    for measured in (forward, backward):
+        assert 0.97 * ratio < measured <= ratio, f"{measured:.3f}x fewer bytes, expected close to {ratio}x"
+    # the gradients and the resident parameters are not quantized
+    assert plain["phases"]["backward"]["reduce_scatter"] == quantized["phases"]["backward"]["reduce_scatter"]
+    assert plain["phases"]["step"] == quantized["phases"]["step"]
+
+
+@pytest.mark.timeout(300)
+def test_secondary_partition_keeps_backward_all_gathers_inside_the_nodes(runs):
+    plain, hpz = runs[0]["stage3-noguard"], runs[0]["stage3-noguard-hpZ"]
+    assert hpz["phases"]["forward"] == plain["phases"]["forward"]  # forward gathers over all ranks, as before
+    backward = hpz["phases"]["backward"]
+    assert backward["all_gather"] > 0 and backward["all_gather"] == backward["intra_node"]  # no byte crosses a node
+    # the backward's inter-node bytes are the gradients' reduction alone
+    assert backward["inter_node"] == backward["reduce_scatter"] == plain["phases"]["backward"]["reduce_scatter"]
+    for rank_result in runs:  # and the values are the same: hpZ only moves where the bytes come from
+        for key, value in rank_result["stage3-noguard"]["params"].items():
+            assert torch.equal(rank_result["stage3-noguard-hpZ"]["params"][key], value), key
+
+
+@pytest.mark.timeout(300)
+def test_ranks_end_with_the_same_weights_under_every_option(runs):
+    for name in CASES:
+        first = runs[0][name]["params"]
+        for other in runs[1:]:  # data parallelism: every rank ends with the same weights
+            for key, value in first.items():
+                assert torch.equal(other[name]["params"][key], value), (name, key)

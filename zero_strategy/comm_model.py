@@ -1,0 +1,257 @@
+"""Communication you can predict: the bytes each rank sends in one training step, without training.
+
+[Note: the communication model]
+``predict_step_bytes`` lays the model out exactly as the engine will (the same unit plan, flat
+groups and segments, from engine/unit_plan.py and engine/layout.py, on a module that may live on
+the meta device) and lists the collectives of one training step:
+
+- stage 3, forward: the root unit's all-gathers, then each unit's, once (quantized with
+  ``quantized_weights``); backward: each unit's again (from the secondary partition, within its
+  group, with ``secondary_partition_size``); with the order guard, one all-gather of 5 int64 tags
+  over all ranks before each of these unit gathers;
+- every stage: one reduce-scatter per gradient segment (stages 2-3 in backward, per micro-batch;
+  stage 1 once, before the step), quantized with ``quantized_gradients``;
+- the step: one all-reduce of a byte per trainable parameter (which got a gradient), one of the
+  overflow flag (fp16 loss scaling), one of the clipping norm (8 bytes), then the all-gathers of
+  the parameters kept whole (every one at stages 1-2; the small, resident ones at stage 3).
+
+Each is costed by engine/comm_volume.py's ``sent_bytes`` (see [Note: bytes sent] there) and filed
+as intra- or inter-node by its group, as the engine's counter files it, so a real run's
+``comm_stats()`` equals the prediction to the byte. It assumes what the engine's order assumes:
+every unit runs once per forward and is reached by backward (a block called twice is gathered
+twice), and no evaluation pass or checkpoint falls inside the step.
+
+Time is bytes over bandwidth, per link: ``intra_node / intra GB/s + inter_node / inter GB/s``,
+with nothing overlapped with compute (an upper bound on what communication adds to a step when it
+does not overlap, a lower bound on the time spent communicating).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .config import ZeroConfig
+from .engine.comm_volume import CommCounter, NodeLayout, reduce_scatter_algorithm, sent_bytes
+from .engine.flat import _ONE_SEGMENT
+from .engine.layout import GroupLayout, align_elements, plan_group
+from .engine.parameters import split_groups
+from .engine.quantize import QuantSpec, packed_row_bytes
+from .engine.unit_plan import plan_units
+
+PHASES = ("forward", "backward", "step")
+"""Where a training step's collectives happen (``predict_step_bytes(by_phase=True)``)."""
+
+GUARD_TAG_BYTES = 5 * 8
+"""One order-guard tag: 5 int64 (see [Note: order guard] in engine/order_guard.py)."""
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidth per rank of a cluster's links, in GB/s (10^9 bytes per second, one direction)."""
+
+    intra_node_gbps: float
+    inter_node_gbps: float
+    source: str = "given"
+
+    def seconds(self, stats: dict[str, int]) -> float:
+        return stats["intra_node"] / (self.intra_node_gbps * 1e9) + stats["inter_node"] / (self.inter_node_gbps * 1e9)
+
+
+CLUSTERS: dict[str, Links] = {
+    # NVLink 4 (900 GB/s both ways per H100), one 400 Gb/s NDR InfiniBand NIC per GPU
+    "dgx-h100": Links(450.0, 50.0, "DGX H100: NVLink 4, 8 x 400 Gb/s InfiniBand"),
+    # NVLink 3 (600 GB/s both ways per A100), one 200 Gb/s HDR InfiniBand NIC per GPU
+    "dgx-a100": Links(300.0, 25.0, "DGX A100: NVLink 3, 8 x 200 Gb/s InfiniBand"),
+    # 8 GPUs on PCIe 4.0 x16 (about 25 GB/s in practice) sharing one 100 Gb/s Ethernet NIC
+    "pcie-100gbe": Links(25.0, 12.5 / 8, "8 PCIe 4.0 GPUs per node sharing one 100 Gb/s Ethernet NIC"),
+}
+DEFAULT_CLUSTER = "dgx-h100"
+
+
+def links(cluster: str = DEFAULT_CLUSTER, intra_node_gbps: Optional[float] = None,
+          inter_node_gbps: Optional[float] = None) -> Links:
+    """A preset of ``CLUSTERS``, with either bandwidth overridden."""
+    if cluster not in CLUSTERS:
+        raise ValueError(f"cluster={cluster!r} is not a preset; use one of {sorted(CLUSTERS)} and override "
+                         "intra_node_gbps / inter_node_gbps for other hardware.")
+    for name, value in (("intra_node_gbps", intra_node_gbps), ("inter_node_gbps", inter_node_gbps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{name}={value!r} must be a positive number of GB/s per rank.")
+    preset = CLUSTERS[cluster]
+    if intra_node_gbps is None and inter_node_gbps is None:
+        return preset
+    return Links(float(intra_node_gbps or preset.intra_node_gbps), float(inter_node_gbps or preset.inter_node_gbps),
+                 f"{preset.source}, overridden")
+
+
+@dataclass(frozen=True)
+class _Group:
+    layout: GroupLayout
+    element_size: int
+    trainable: bool
+
+
+class _Step:
+    """The collectives of one step, counted as the engine's counter counts them."""
+
+    def __init__(self, nodes: NodeLayout, backend: str) -> None:
+        self.nodes, self.backend = nodes, backend
+        self.world_inter = nodes.num_nodes > 1
+        self.counter = CommCounter()
+        self.phases = {phase: CommCounter() for phase in PHASES}
+        self.phase = "forward"
+
+    def add(self, kind: str, algorithm: str, nbytes: int, group_size: int, inter_node: bool) -> None:
+        sent = sent_bytes(algorithm, nbytes, group_size)
+        self.counter.add(kind, sent, inter_node)
+        self.phases[self.phase].add(kind, sent, inter_node)
+
+    def gather(self, group: _Group, quantize: Optional[QuantSpec], over: int, inter_node: bool) -> None:
+        """One group's all-gathers over ``over`` ranks (the world's, or a secondary group's)."""
+        n = self.nodes.world_size
+        for seg in group.layout.segments:
+            out = n * packed_row_bytes(seg.shard_numel, quantize) if quantize else seg.numel * group.element_size
+            self.add("all_gather", "all_gather", out, over, inter_node)
+
+    def reduce(self, group: _Group, quantize: Optional[QuantSpec]) -> None:
+        n = self.nodes.world_size
+        per_node, nodes = self.nodes.ranks_per_node, self.nodes.num_nodes
+        for seg in group.layout.segments:
+            shard = seg.shard_numel
+            if quantize is None:
+                algorithm = reduce_scatter_algorithm(self.backend)
+                self.add("reduce_scatter", algorithm, seg.numel * group.element_size, n, self.world_inter)
+            elif per_node > 1 and nodes > 1:  # two hops: see [Note: quantized reduce-scatter]
+                self.add("reduce_scatter", "all_to_all", per_node * packed_row_bytes(nodes * shard, quantize),
+                         per_node, False)
+                self.add("reduce_scatter", "all_to_all", nodes * packed_row_bytes(shard, quantize), nodes, True)
+            else:
+                self.add("reduce_scatter", "all_to_all", n * packed_row_bytes(shard, quantize), n, self.world_inter)
+
+    def world_collective(self, kind: str, nbytes: int) -> None:
+        self.add(kind, kind, nbytes, self.nodes.world_size, self.world_inter)
+
+
+def _groups(params: Sequence[nn.Parameter], config: ZeroConfig, world_size: int, element_size: Optional[int],
+            one_segment: bool) -> list[_Group]:
+    """The flat groups the sharder builds over ``params`` (see engine/parameters.py ``_flatten``)."""
+    out = []
+    for ps in split_groups(params, {}):
+        size = element_size or ps[0].element_size()
+        bucket = _ONE_SEGMENT if one_segment else config.bucket_numel(size)
+        out.append(_Group(plan_group([p.numel() for p in ps], world_size, bucket, align_elements(size)), size,
+                          ps[0].requires_grad))
+    return out
+
+
+def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, ranks_per_node: Optional[int] = None,
+                       backend: str = "nccl", dtype: Optional[torch.dtype] = None, loss_scaling: bool = False,
+                       clipping: bool = False, accumulation_steps: int = 1,
+                       by_phase: bool = False) -> dict[str, int] | dict[str, dict[str, int]]:
+    """The bytes one rank sends in one training step of ``module`` under ``config`` (see [Note: the
+    communication model]): the keys of ``comm_stats()``. ``dtype`` is the working weights' (default:
+    the parameters' own); ``backend`` "gloo" costs reduce-scatters as gloo runs them; ``loss_scaling``
+    (fp16) and ``clipping`` add their small all-reduces. With ``by_phase`` the same, per phase
+    ("forward", "backward", "step"). ``module`` may be on the meta device.
+    """
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps={accumulation_steps!r} must be a positive integer")
+    nodes = NodeLayout(world_size, ranks_per_node if ranks_per_node is not None else world_size)
+    element_size = torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
+    params = list(dict.fromkeys(module.parameters()))
+    step = _Step(nodes, backend)
+    grads_q, weights_q = config.gradient_quantization, config.weight_quantization
+    if config.stage == 3:
+        first = element_size or params[0].element_size()
+        plan = plan_units(module, config.shard_modules, config.param_persistence_threshold,
+                          config.bucket_numel(first), config.unit_params)
+        units = [_groups(u.params, config, world_size, element_size, False) for u in plan.units]
+        root = _groups(plan.root, config, world_size, element_size, False)
+        resident = _groups(plan.resident, config, world_size, element_size, True)
+    else:
+        units, root = [], []
+        resident = _groups([p for p in params if p.requires_grad], config, world_size, element_size, False)
+    guard = config.stage == 3 and config.check_unit_order and world_size > 1
+    secondary = config.secondary_partition_size
+    secondary_inter = secondary is not None and nodes.spans_nodes(list(range(secondary)))
+    trainable = [g for g in [*(g for u in units for g in u), *root, *resident] if g.trainable]
+
+    for _ in range(accumulation_steps):
+        step.phase = "forward"
+        if config.stage == 3:
+            for unit in [root, *units]:  # the root first: its pre-forward hook runs before any unit's
+                if guard:
+                    step.world_collective("all_gather", world_size * GUARD_TAG_BYTES)
+                for g in unit:
+                    step.gather(g, weights_q, world_size, step.world_inter)
+        step.phase = "backward"
+        for unit in reversed(units):
+            if guard:
+                step.world_collective("all_gather", world_size * GUARD_TAG_BYTES)
+            for g in unit:
+                if secondary is not None:
+                    step.gather(g, weights_q, secondary, secondary_inter)
+                else:
+                    step.gather(g, weights_q, world_size, step.world_inter)
+        if config.stage >= 2:
+            for g in trainable:
+                step.reduce(g, grads_q)
+    step.phase = "step"
+    if config.stage == 1:
+        for g in trainable:
+            step.reduce(g, grads_q)
+    flags = sum(len(g.layout.numels) for g in trainable)
+    if flags:
+        step.world_collective("all_reduce", flags)  # which parameters got a gradient, one byte each
+    if loss_scaling:
+        step.world_collective("all_reduce", 1)  # the overflow flag
+    if clipping:
+        step.world_collective("all_reduce", 8)  # the squared norm, float64
+    for g in resident:
+        if g.trainable:
+            for seg in g.layout.segments:
+                step.world_collective("all_gather", seg.numel * g.element_size)
+    if by_phase:
+        return {phase: c.current for phase, c in step.phases.items()}
+    return step.counter.current
+
+
+VARIANTS: tuple[tuple[str, int, dict], ...] = (
+    ("ZeRO-1", 1, {}),
+    ("ZeRO-2", 2, {}),
+    ("ZeRO-2 + qgZ int4", 2, {"quantized_gradients": "int4"}),
+    ("ZeRO-3", 3, {}),
+    ("ZeRO-3 + qwZ", 3, {"quantized_weights": True}),
+    ("ZeRO-3 + hpZ", 3, {"secondary_partition_size": "node"}),
+    ("ZeRO-3 + qgZ int8", 3, {"quantized_gradients": "int8"}),
+    ("ZeRO-3 + qgZ int4", 3, {"quantized_gradients": "int4"}),
+    ("ZeRO++ (qwZ+hpZ+qgZ4)", 3, {"quantized_weights": True, "secondary_partition_size": "node",
+                                          "quantized_gradients": "int4"}),
+)
+"""The stage and option combinations ``zero-estimate`` prints ("node": the ranks per node)."""
+
+
+def variant_rows(module: nn.Module, base: ZeroConfig, world_size: int, ranks_per_node: int, link: Links,
+                 **kwargs) -> list[dict]:
+    """Predicted bytes (``stats``, and per phase: ``phases``) and time per step for each of
+    ``VARIANTS`` (those that make sense on this layout: hpZ needs several ranks per node), from
+    ``base``'s other settings; ``kwargs`` go to ``predict_step_bytes``."""
+    rows = []
+    for name, stage, options in VARIANTS:
+        options = dict(options)
+        if options.get("secondary_partition_size") == "node":
+            if ranks_per_node < 2 or ranks_per_node == world_size:
+                continue  # a secondary group inside one node changes nothing or cannot exist here
+            options["secondary_partition_size"] = ranks_per_node
+        fields = dict(stage=stage, quantized_weights=False, quantized_gradients=None, secondary_partition_size=None,
+                      offload_params=base.offload_params and stage == 3)
+        config = replace(base, **{**fields, **options})
+        phases = predict_step_bytes(module, config, world_size, ranks_per_node, by_phase=True, **kwargs)
+        stats = {key: sum(p[key] for p in phases.values()) for key in next(iter(phases.values()))}
+        rows.append({"variant": name, "stats": stats, "phases": phases, "config": config,
+                     "seconds": link.seconds(stats)})
+    return rows
