@@ -11,6 +11,11 @@
    torch's fused AdamW with separate passes (cast grads to fp32, foreach norm, foreach mul,
    ``AdamW(fused=True).step()``, foreach copy to bf16).
 
+3. Quantization (cuda/quantize.cu): bytes read + written per second by quantize (fp32/bf16 rows to
+   packed int8/int4 rows, blocks of 256) and by the dequantizing copy-out into a bf16/fp32 buffer,
+   and the same through the torch reference (engine/quantize.py's ``reference_*``), side by side;
+   each kernel's bytes are checked equal to the reference's first.
+
 Both paths are checked against each other after one step before anything is timed.
 
     PYTHONPATH=. python benchmarks/bench_kernels.py [--numel 67108864] [--out results.json]
@@ -67,6 +72,30 @@ def copy_bandwidth(numel: int, iters: int) -> float:
     src = torch.randn(numel, device="cuda")
     dst = torch.empty_like(src)
     return 2 * src.nbytes / timed(lambda: dst.copy_(src), iters)
+
+
+def quantize_bandwidth(numel: int, dtype: torch.dtype, bits: int, iters: int) -> dict:
+    """Quantize and dequantize-into-buffer of 8 rows (a world of 8's all-gather) through the kernels
+    and through the torch reference: GB/s of bytes read + written, and the reference's time over the
+    kernel's."""
+    from zero_strategy.engine.quantize import (QuantSpec, dequantize_into, packed_row_bytes, quantize_rows,
+                                               reference_dequantize_rows, reference_quantize_rows)
+
+    spec, rows = QuantSpec(bits, 256), 8
+    x = torch.randn(rows, numel // rows, device="cuda").to(dtype)
+    packed = quantize_rows(x, spec)
+    if not torch.equal(packed, reference_quantize_rows(x, spec)):
+        raise SystemExit(f"quantize_rows<{dtype}, int{bits}>: the kernel's bytes differ from the reference's")
+    out = torch.empty_like(x)
+    moved = x.nbytes + packed.nbytes  # read the values, write the rows (dequantize: the other way)
+    assert packed.shape[1] == packed_row_bytes(x.shape[1], spec)
+    kernel_q = timed(lambda: quantize_rows(x, spec, out=packed), iters)
+    torch_q = timed(lambda: reference_quantize_rows(x, spec, packed), iters)
+    kernel_d = timed(lambda: dequantize_into(packed, x.shape[1], spec, out), iters)
+    torch_d = timed(lambda: out.copy_(reference_dequantize_rows(packed, x.shape[1], spec)), iters)
+    return {"dtype": str(dtype).replace("torch.", ""), "bits": bits, "quantize_GB/s": moved / kernel_q / 1e9,
+            "dequantize_GB/s": moved / kernel_d / 1e9, "quantize_vs_torch": torch_q / kernel_q,
+            "dequantize_vs_torch": torch_d / kernel_d}
 
 
 def adam_bandwidth(sizes, grad_dtype, out_dtype, iters: int) -> dict:
@@ -163,7 +192,13 @@ def main() -> int:
     ours_s, theirs_s = timed(whole.ours, args.iters), timed(whole.theirs, args.iters)
     print(f"whole step (norm + clip + unscale + AdamW + cast to bf16): kernels {ours_s * 1e3:.3f} ms, "
           f"torch fused AdamW with separate passes {theirs_s * 1e3:.3f} ms, speed-up {theirs_s / ours_s:.2f}x")
-    result = {"device": device, "numel": sum(sizes), "pieces": len(sizes), "copy_GB/s": copy_bw / 1e9,
+    quant = [quantize_bandwidth(args.numel, dtype, bits, args.iters)
+             for dtype in (torch.float32, torch.bfloat16) for bits in (8, 4)]
+    print(f"{'values':>9} {'codes':>6} {'quantize GB/s':>14} {'vs torch':>9} {'dequantize GB/s':>16} {'vs torch':>9}")
+    for q in quant:
+        print(f"{q['dtype']:>9} {'int' + str(q['bits']):>6} {q['quantize_GB/s']:>14.0f} {q['quantize_vs_torch']:>8.1f}x "
+              f"{q['dequantize_GB/s']:>16.0f} {q['dequantize_vs_torch']:>8.1f}x")
+    result = {"device": device, "numel": sum(sizes), "pieces": len(sizes), "copy_GB/s": copy_bw / 1e9, "quantize": quant,
               "adam": rows, "whole_step_ms": {"kernels": ours_s * 1e3, "torch_fused_separate_passes": theirs_s * 1e3},
               "whole_step_speedup": theirs_s / ours_s, "goal_met": min(r["fraction_of_copy"] for r in rows) >= 0.8}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

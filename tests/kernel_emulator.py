@@ -59,8 +59,88 @@ def _grad_norm_final(args) -> None:
     _memory(nonfinite, torch.bool, 0, 1)[0] = bool(_memory(flags, torch.uint8, 0, int(count)).any())
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _uniform01(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """cuda/quantize.cu's uniform01: splitmix64 of (seed, index), its top 24 bits over 2**24."""
+    def wrap(v: int) -> int:  # a uint64 as torch's int64 holds it
+        return v - (1 << 64) if v >= 1 << 63 else v
+
+    def shr(z: torch.Tensor, k: int) -> torch.Tensor:  # logical shift right of uint64 bits held in int64
+        return (z >> k) & ((1 << (64 - k)) - 1)
+
+    z = wrap(seed & _MASK64) + (index + 1) * wrap(0x9E3779B97F4A7C15)  # int64 arithmetic wraps as uint64 does
+    z = (z ^ shr(z, 30)) * wrap(0xBF58476D1CE4E5B9)
+    z = (z ^ shr(z, 27)) * wrap(0x94D049BB133111EB)
+    z = z ^ shr(z, 31)
+    return shr(z, 40).to(torch.float32) / 16777216.0
+
+
+def _emulate_quantize(name: str, grid: int, block: int, args) -> None:
+    """The kernels of cuda/quantize.cu on host memory, reading their arguments as the CUDA code does."""
+    from zero_strategy.engine.quantize import QuantSpec, reference_dequantize_rows  # noqa: PLC0415
+
+    kernel, _, params = name.partition("<")
+    params = [p.strip() for p in params.rstrip(">").split(",")]
+    if kernel == "quant_scales":
+        x, numel, qblock, nblocks, qmax, out, row_bytes, codes_len = (int(a) for a in args)
+        rows = grid // nblocks
+        assert grid == rows * nblocks, f"{name}: grid {grid} is not rows x {nblocks} blocks"
+        values = _memory(x, _TYPES[params[0]], 0, rows * numel).float().view(rows, numel)
+        padded = torch.zeros(rows, nblocks * qblock)
+        padded[:, :numel] = values
+        scales = padded.view(rows, nblocks, qblock).abs().amax(dim=2) / qmax
+        for r in range(rows):
+            _memory(out + r * row_bytes + codes_len, torch.float32, 0, nblocks).copy_(scales[r])
+        return
+    if kernel == "quant_codes":
+        x, rows, numel, qblock, qmax, seed, out, row_bytes, codes_len = (int(a) for a in args)
+        bits = int(params[1])
+        assert grid == -(-rows * codes_len // block), f"{name}: grid {grid} for {rows} rows of {codes_len} code bytes"
+        nblocks = -(-numel // qblock)
+        values = _memory(x, _TYPES[params[0]], 0, rows * numel).float().view(rows, numel)
+        scales = torch.stack([_memory(out + r * row_bytes + codes_len, torch.float32, 0, nblocks) for r in range(rows)])
+        scale = scales.repeat_interleave(qblock, dim=1)[:, :numel]
+        usable = (scale > 0) & scale.isfinite()
+        q = torch.where(usable, values / torch.where(usable, scale, torch.ones_like(scale)), torch.zeros_like(values))
+        if seed:
+            index = torch.arange(rows * numel, dtype=torch.int64).view(rows, numel)
+            q = torch.floor(q + _uniform01(int(_memory(seed, torch.int64, 0, 1)[0]), index))
+        else:
+            q = torch.round(q)
+        codes = q.clamp(-qmax, qmax).to(torch.int8)
+        for r in range(rows):
+            row = _memory(out + r * row_bytes, torch.uint8, 0, codes_len)
+            row.zero_()
+            if bits == 8:
+                row[:numel] = codes[r].view(torch.uint8)
+            else:
+                nibbles = (codes[r] + 8).to(torch.uint8).view(-1, 2)
+                row[: numel // 2] = nibbles[:, 0] | (nibbles[:, 1] << 4)
+        return
+    packed, rows, numel, qblock, row_bytes, codes_len = (int(a) for a in args[:6])
+    bits = int(params[-1])
+    rows_in = torch.stack([_memory(packed + r * row_bytes, torch.uint8, 0, row_bytes) for r in range(rows)])
+    values = reference_dequantize_rows(rows_in, numel, QuantSpec(bits, qblock))
+    if kernel == "dequant_rows":
+        out, stride = int(args[6]), int(args[7])
+        assert grid == -(-rows * numel // block), f"{name}: grid {grid} for {rows} x {numel} elements"
+        for r in range(rows):
+            _memory(out, _TYPES[params[0]], r * stride, r * stride + numel).copy_(values[r])
+    else:
+        assert kernel == "dequant_sum" and grid == -(-numel // block), f"{name}: grid {grid} for {numel} elements"
+        acc = torch.zeros(numel)
+        for r in range(rows):  # row 0 first, as the kernel sums
+            acc += values[r]
+        _memory(int(args[6]), torch.float32, 0, numel).copy_(acc)
+
+
 def emulate(stem: str, name: str, device: torch.device, grid: int, block: int, args) -> None:
     """Run kernel ``name`` of ``cuda/<stem>.cu`` on host memory; the signature of ``ops.launch``."""
+    if stem == "quantize":
+        _emulate_quantize(name, grid, block, args)
+        return
     types = [_TYPES[a.strip()] for a in name.partition("<")[2].rstrip(">").split(",")] if "<" in name else []
     if name == "grad_norm_final":
         _grad_norm_final(args)

@@ -190,3 +190,45 @@ def test_optimizer_step_with_bf16_grads_scale_and_lowp_out():
     for a, b in zip(ours, theirs):
         _close(a.detach(), b.detach())
         _close(outs[a].float(), b.detach().bfloat16().float(), torch.bfloat16)
+
+
+# ---- block quantization (cuda/quantize.cu against engine/quantize.py's reference) --------------
+
+@pytest.mark.parametrize("bits,block", [(8, 256), (8, 7), (4, 64), (4, 5)])
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+def test_quantize_kernels_match_the_reference(bits, block, dtype):
+    from zero_strategy.engine.quantize import (QuantSpec, dequantize_into, dequantize_sum, quantize_rows,
+                                               reference_dequantize_rows, reference_quantize_rows)
+
+    spec = QuantSpec(bits, block)
+    for rows, numel in [(1, 2), (3, 70), (8, 4098), (4, (1 << 18) + 2)]:
+        x = _randn(rows * numel, rows + numel, dtype).view(rows, numel)
+        x[0, : min(numel, 9)] = 0
+        before = kernels.launch_counts().get("quantize", 0)
+        packed = quantize_rows(x, spec, out=torch.full((rows, reference_quantize_rows(x, spec).shape[1]), 0xAB,
+                                                       dtype=torch.uint8, device="cuda"))
+        assert kernels.launch_counts()["quantize"] == before + 2, "the kernels did not run"
+        assert torch.equal(packed, reference_quantize_rows(x, spec)), (rows, numel)  # every byte, padding too
+        buffer = torch.full((rows, numel + 3), NAN, dtype=dtype, device="cuda")
+        dequantize_into(packed, numel, spec, buffer[:, :numel])
+        want = reference_dequantize_rows(packed, numel, spec)
+        assert torch.equal(buffer[:, :numel], want.to(dtype)) and buffer[:, numel:].isnan().all()
+        torch.testing.assert_close(dequantize_sum(packed, numel, spec), want.sum(dim=0), rtol=1e-6, atol=1e-6)
+
+
+def test_quantize_kernel_rounds_stochastically_without_bias_and_keeps_non_finite():
+    from zero_strategy.engine.quantize import QuantSpec, dequantize_rows, quantize_rows
+
+    spec = QuantSpec(4, 64)
+    x = _randn(64, 5).view(1, 64)
+    step = x.abs().max() / spec.qmax
+    noise = torch.Generator(device="cuda").manual_seed(3)
+    draws = torch.stack([dequantize_rows(quantize_rows(x, spec, noise=noise), 64, spec)[0] for _ in range(4000)])
+    assert torch.all((draws - x[0]).abs() < step * (1 + 1e-5))
+    assert torch.all((draws.mean(dim=0) - x[0]).abs() <= 4 * (step / 2) / 4000 ** 0.5 + 1e-6)
+    y = torch.ones(2, 64, device="cuda")
+    y[0, 3], y[1, 40] = float("inf"), NAN
+    for rounding in (None, noise):
+        back = dequantize_rows(quantize_rows(y, QuantSpec(8, 32), noise=rounding), 64, QuantSpec(8, 32))
+        assert not back[0, :32].isfinite().any() and not back[1, 32:].isfinite().any()
+        assert torch.equal(back[0, 32:], y[0, 32:]) and torch.equal(back[1, :32], y[1, :32])

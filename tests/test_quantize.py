@@ -1,4 +1,5 @@
-"""Block-wise quantization (engine/quantize.py): the packed layout, the error bound, and the
+"""Block-wise quantization (engine/quantize.py): the packed layout, the error bound, the launch path of
+cuda/quantize.cu (through tests/kernel_emulator.py: the same bytes as the torch reference), and the
 quantized gathers of a world of one (exact outside forward and backward). No process group."""
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from torch import nn
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import shard_module
 from zero_strategy.engine.order_guard import FORWARD
-from zero_strategy.engine.quantize import (QuantSpec, code_bytes, dequantize_rows, dequantize_sum, num_blocks,
-                                           packed_row_bytes, quantize_rows)
+from zero_strategy.engine.quantize import (QuantSpec, code_bytes, dequantize_into, dequantize_rows, dequantize_sum,
+                                           num_blocks, packed_row_bytes, quantize_rows, reference_dequantize_rows,
+                                           reference_quantize_rows)
+
+from .kernel_emulator import emulated_device, emulated_kernels  # noqa: F401,F811  (a fixture)
 
 SPECS = [QuantSpec(8, 256), QuantSpec(8, 7), QuantSpec(4, 64), QuantSpec(4, 5)]
 
@@ -102,6 +106,65 @@ def test_bad_arguments_name_the_value():
         quantize_rows(torch.ones(1, 5), QuantSpec(4, 8))
     with pytest.raises(ValueError, match="do not hold 4 elements"):
         dequantize_rows(quantize_rows(torch.ones(1, 8), QuantSpec(8, 4)), 4, QuantSpec(8, 4))
+
+
+# ---- the kernels' launch path (cuda/quantize.cu, emulated on host memory) ---------------------
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_path_writes_the_references_bytes_and_values(emulated_device, spec, dtype):
+    x = _values(3, 70, dtype)
+    packed = quantize_rows(x, spec)
+    assert torch.equal(packed, reference_quantize_rows(x, spec))
+    buffer = torch.full((3, 80), -1.0, dtype=dtype)  # the gathered buffer: rows 80 apart, 70 written
+    dequantize_into(packed, 70, spec, buffer[:, :70])
+    assert torch.equal(buffer[:, :70], reference_dequantize_rows(packed, 70, spec).to(dtype))
+    assert torch.all(buffer[:, 70:] == -1.0)  # nothing past each row
+    assert torch.equal(dequantize_sum(packed, 70, spec), reference_dequantize_rows(packed, 70, spec).sum(dim=0))
+    bits = spec.bits
+    name = {torch.float32: "float", torch.bfloat16: "bf16_t", torch.float16: "f16_t"}[dtype]
+    assert emulated_device == {f"quant_scales<{name}>": 1, f"quant_codes<{name}, {bits}>": 1,
+                               f"dequant_rows<{name}, {bits}>": 1, f"dequant_sum<{bits}>": 1}
+
+
+def test_kernel_path_rounds_stochastically_without_bias(emulated_device):
+    spec = QuantSpec(4, 64)
+    x = _values(1, 64, torch.float32)
+    step = x.abs().max() / spec.qmax
+    noise = torch.Generator().manual_seed(3)
+    draws = torch.stack([dequantize_rows(quantize_rows(x, spec, noise=noise), 64, spec)[0] for _ in range(2000)])
+    assert torch.all((draws - x[0]).abs() < step * (1 + 1e-5))
+    assert torch.all((draws.mean(dim=0) - x[0]).abs() <= 4 * (step / 2) / 2000 ** 0.5 + 1e-6)
+    again = [quantize_rows(x, spec, noise=torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert torch.equal(*again)
+    x = torch.ones(2, 64)
+    x[0, 3], x[1, 40] = float("inf"), float("nan")
+    back = dequantize_rows(quantize_rows(x, spec, noise=noise), 64, spec)
+    assert not back[0, :64].isfinite().any() and not back[1, :64].isfinite().any()  # one block per row here
+
+
+def test_stage3_quantized_gathers_train_the_same_on_the_kernel_path():
+    def losses() -> list[float]:
+        torch.manual_seed(0)
+        model = nn.Sequential(_Block(), _Block(), _Block())
+        config = ZeroConfig(stage=3, shard_modules=("_Block",), param_persistence_threshold=0,
+                            quantized_weights=True, quantization_block_size=48)
+        from zero_strategy.engine import ZeroOptimizer  # noqa: PLC0415
+
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config, sharder=shard_module(model, config))
+        out = []
+        for step in range(3):
+            loss = model(torch.randn(4, 40, generator=torch.Generator().manual_seed(step))).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    reference = losses()
+    with emulated_kernels() as launched:
+        assert losses() == reference
+    assert launched["dequant_rows<float, 8>"] >= 3 * 2 * 3  # every unit, forward and backward, every step
 
 
 # ---- a world of one: the quantized gathers are used in training passes only -------------------

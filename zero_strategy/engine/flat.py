@@ -60,7 +60,7 @@ import torch
 from .collectives import Collectives, Describe, Pending, after
 from .layout import GroupLayout, Piece, Segment, align_elements, plan_group
 from .offload import HOST, host_copy
-from .quantize import QuantSpec, dequantize_rows, packed_row_bytes, quantize_rows
+from .quantize import QuantSpec, dequantize_into, packed_row_bytes, quantize_rows
 
 _ONE_SEGMENT = 2**62  # a bucket larger than any group: one segment
 
@@ -295,7 +295,7 @@ class ShardedGroup(FlatGroup):
                 p = comm.all_gather(rows.view(-1), quantize_rows(own.view(1, -1), quantize).view(-1), what)
 
                 def unpack(out=out, rows=rows, seg=seg) -> None:
-                    out.view(n, -1).copy_(dequantize_rows(rows, seg.shard_numel, quantize))
+                    dequantize_into(rows, seg.shard_numel, quantize, out.view(n, -1))
                     if keep_secondary is not None:
                         keep.append(rows[index * (n // k) : (index + 1) * (n // k)].clone())
                 p = after(p, unpack)
@@ -320,7 +320,7 @@ class ShardedGroup(FlatGroup):
             rows = torch.empty((n, part.shape[1]), dtype=torch.uint8, device=self.device)
             p = comm.all_gather(rows.view(-1), part.view(-1), what)
             pending.append(after(p, lambda out=out, rows=rows, seg=seg:
-                                 out.view(n, -1).copy_(dequantize_rows(rows, seg.shard_numel, spec))))
+                                 dequantize_into(rows, seg.shard_numel, spec, out.view(n, -1))))
         return pending
 
     @property

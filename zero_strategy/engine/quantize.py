@@ -1,4 +1,6 @@
-"""Block-wise int8/int4 quantization for communication: the torch reference, which is what runs on CPU.
+"""Block-wise int8/int4 quantization for communication: the packed format, the torch reference (what
+runs on CPU), and the dispatch to cuda/quantize.cu (what runs on CUDA with CuPy; see [Note: kernels
+or reference]).
 
 [Note: packed rows]
 What travels is a *packed row* of bytes per chunk of a collective (one row per rank's chunk), so a
@@ -30,6 +32,16 @@ standard library ended 200 steps 1.4% above the unquantized run's validation los
 of 64, 1.5% of 32), against 0.1% rounded stochastically. The draws come from the reducer's own
 generator, seeded by rank, so runs repeat and the user's random streams (dropout, data order) are
 untouched.
+
+[Note: kernels or reference]
+``quantize_rows``, ``dequantize_rows``, ``dequantize_into`` and ``dequantize_sum`` run the CUDA kernels
+of cuda/quantize.cu when zero_strategy.kernels takes the tensors (CUDA, CuPy, contiguous rows of
+fp32/bf16/fp16), and the ``reference_*`` functions below otherwise. Rounded to nearest, both give the
+same bytes (the same fp32 divisions and round-half-to-even); the sums agree within fp32 rounding.
+Rounded stochastically they draw differently (torch's generator here, a hash of a seed drawn from
+that generator there), both unbiased. ``dequantize_into`` writes the values straight into the
+gathered buffer in its dtype: on CUDA the copy-out of a quantized all-gather is the dequantizing
+kernel itself.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .. import kernels
 
 BITS = (8, 4)
 _SCALE_BYTES = 4  # fp32
@@ -80,21 +94,42 @@ def packed_row_bytes(numel: int, spec: QuantSpec) -> int:
 
 def quantize_rows(x: torch.Tensor, spec: QuantSpec, out: torch.Tensor | None = None,
                   noise: torch.Generator | None = None) -> torch.Tensor:
-    """Packed rows (rows, packed_row_bytes(L)) of uint8 from ``x`` of shape (rows, L), any float dtype.
+    """Packed rows (rows, packed_row_bytes(L)) of uint8 from ``x`` of shape (rows, L), any float dtype;
+    see ``reference_quantize_rows``, and [Note: kernels or reference] for what runs."""
+    out = _check_quantize_args(x, spec, out)
+    seed = None
+    if noise is not None and kernels.available(x):  # the kernel hashes a seed drawn on the device: no sync
+        seed = torch.randint(0, 2**62, (1,), generator=noise, device=noise.device).to(x.device)
+    if kernels.ops.quantize_rows(x, spec.bits, spec.block, out, code_bytes(x.shape[1], spec), seed):
+        return out
+    return reference_quantize_rows(x, spec, out, noise)
 
-    ``out`` (uint8, that shape) receives them when given. ``noise``: round stochastically with draws
-    from this generator (see [Note: stochastic rounding]); None: to nearest.
-    """
+
+def _check_quantize_args(x: torch.Tensor, spec: QuantSpec, out: torch.Tensor | None) -> torch.Tensor:
+    """``out``, checked, or a new one of the right shape."""
     if x.dim() != 2:
         raise ValueError(f"quantize_rows takes (rows, elements), got shape {tuple(x.shape)}")
     rows, numel = x.shape
     if spec.bits == 4 and numel % 2:
         raise ValueError(f"int4 packs two elements per byte: a row of {numel} elements must be even")
-    nb, row_bytes, codes_len = num_blocks(numel, spec), packed_row_bytes(numel, spec), code_bytes(numel, spec)
+    row_bytes = packed_row_bytes(numel, spec)
     if out is None:
-        out = torch.empty((rows, row_bytes), dtype=torch.uint8, device=x.device)
-    elif out.shape != (rows, row_bytes) or out.dtype != torch.uint8:
+        return torch.empty((rows, row_bytes), dtype=torch.uint8, device=x.device)
+    if out.shape != (rows, row_bytes) or out.dtype != torch.uint8:
         raise ValueError(f"out must be uint8 of shape {(rows, row_bytes)}, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def reference_quantize_rows(x: torch.Tensor, spec: QuantSpec, out: torch.Tensor | None = None,
+                            noise: torch.Generator | None = None) -> torch.Tensor:
+    """Packed rows (rows, packed_row_bytes(L)) of uint8 from ``x`` of shape (rows, L), any float dtype.
+
+    ``out`` (uint8, that shape) receives them when given. ``noise``: round stochastically with draws
+    from this generator (see [Note: stochastic rounding]); None: to nearest.
+    """
+    out = _check_quantize_args(x, spec, out)
+    rows, numel = x.shape
+    nb, codes_len = num_blocks(numel, spec), code_bytes(numel, spec)
     padded = torch.zeros((rows, nb * spec.block), dtype=torch.float32, device=x.device)
     padded[:, :numel] = x
     blocks = padded.view(rows, nb, spec.block)  # (rows, nblocks, block)
@@ -117,12 +152,32 @@ def quantize_rows(x: torch.Tensor, spec: QuantSpec, out: torch.Tensor | None = N
     return out
 
 
-def dequantize_rows(packed: torch.Tensor, numel: int, spec: QuantSpec) -> torch.Tensor:
-    """fp32 values (rows, ``numel``) of packed rows made by ``quantize_rows``."""
-    rows, row_bytes = packed.shape
+def _check_packed(packed: torch.Tensor, numel: int, spec: QuantSpec) -> None:
+    row_bytes = packed.shape[1]
     if row_bytes != packed_row_bytes(numel, spec):
         raise ValueError(f"packed rows of {row_bytes} bytes do not hold {numel} elements at {spec} "
                          f"({packed_row_bytes(numel, spec)} bytes)")
+
+
+def dequantize_rows(packed: torch.Tensor, numel: int, spec: QuantSpec) -> torch.Tensor:
+    """fp32 values (rows, ``numel``) of packed rows made by ``quantize_rows``."""
+    out = torch.empty((packed.shape[0], numel), dtype=torch.float32, device=packed.device)
+    return dequantize_into(packed, numel, spec, out)
+
+
+def dequantize_into(packed: torch.Tensor, numel: int, spec: QuantSpec, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (rows, ``numel``: a view of a gathered buffer, say; fp32, bf16 or fp16) = the values of
+    ``packed``, rounded to ``out``'s dtype; returns ``out``."""
+    _check_packed(packed, numel, spec)
+    if not kernels.ops.dequantize_rows(packed, numel, spec.bits, spec.block, code_bytes(numel, spec), out):
+        out.copy_(reference_dequantize_rows(packed, numel, spec))
+    return out
+
+
+def reference_dequantize_rows(packed: torch.Tensor, numel: int, spec: QuantSpec) -> torch.Tensor:
+    """fp32 values (rows, ``numel``) of packed rows, in torch."""
+    _check_packed(packed, numel, spec)
+    rows = packed.shape[0]
     nb, codes_len = num_blocks(numel, spec), code_bytes(numel, spec)
     scales = packed[:, codes_len:].contiguous().view(torch.float32)  # (rows, nblocks)
     if spec.bits == 8:
@@ -140,4 +195,8 @@ def dequantize_sum(packed: torch.Tensor, numel: int, spec: QuantSpec) -> torch.T
     """The sum over rows of the dequantized packed rows, in fp32: shape (``numel``,). Reducing after
     dequantizing, in fp32, keeps each contribution's error its own (see [Note: quantized reduce-scatter]
     in collectives.py)."""
-    return dequantize_rows(packed, numel, spec).sum(dim=0)
+    _check_packed(packed, numel, spec)
+    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    if kernels.ops.dequantize_sum(packed, numel, spec.bits, spec.block, code_bytes(numel, spec), out):
+        return out
+    return reference_dequantize_rows(packed, numel, spec).sum(dim=0)

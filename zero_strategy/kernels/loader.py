@@ -39,6 +39,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "fused_adam": tuple(f"adam_step<{g}, {o}>" for g, o in product(GRAD_TYPES, OUT_TYPES)),
     "fused_sgd": tuple(f"sgd_step<{g}, {o}>" for g, o in product(GRAD_TYPES, OUT_TYPES)),
     "grad_norm": tuple(f"grad_norm_partials<{g}>" for g in GRAD_TYPES) + ("grad_norm_final",),
+    "quantize": tuple(f"quant_scales<{t}>" for t in GRAD_TYPES)
+    + tuple(f"{k}<{t}, {b}>" for k, t, b in product(("quant_codes", "dequant_rows"), GRAD_TYPES, (8, 4)))
+    + ("dequant_sum<8>", "dequant_sum<4>"),
 }
 """Every kernel each source defines, by the name CuPy looks it up with (its explicit instantiations)."""
 

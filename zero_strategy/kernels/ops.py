@@ -230,3 +230,64 @@ def grad_norm_and_overflow(tensors: Sequence[torch.Tensor], norm_type: float = 2
         np.uint64(partials.data_ptr()), np.uint64(flags.data_ptr()), np.int64(partials.numel()), max_mode,
         np.uint64(total.data_ptr()), np.uint64(nonfinite.data_ptr())))
     return total, nonfinite
+
+
+# ---- block quantization for communication -----------------------------------------------------
+# The format (packed rows) and the torch reference are zero_strategy/engine/quantize.py's; these run
+# cuda/quantize.cu when the kernels take the tensors, and return False (having done nothing) when
+# they do not, so the caller runs the reference.
+
+def _quant_shape(packed: torch.Tensor, numel: int, block: int, codes_len: int) -> tuple:
+    np = _np()
+    rows, row_bytes = packed.shape
+    return np, (np.int64(rows), np.int64(numel), np.int64(block), np.int64(row_bytes), np.int64(codes_len))
+
+
+@torch.no_grad()
+def quantize_rows(x: torch.Tensor, bits: int, block: int, out: torch.Tensor, codes_len: int,
+                  seed: Optional[torch.Tensor] = None) -> bool:
+    """Packed rows of ``x`` (rows, L) into ``out`` (rows, row bytes; uint8), ``bits`` 8 or 4 per code,
+    ``block`` elements per scale, the codes taking ``codes_len`` bytes of a row. ``seed``: a device
+    int64 tensor, rounding stochastically with draws hashed from it; None: to nearest."""
+    typed = [([x], tuple(CUDA_TYPE_NAMES)), ([out], (torch.uint8,)), ([seed], (torch.int64,))]
+    if x.dim() != 2 or not _kernels_take(x, typed):
+        return False
+    rows, numel = x.shape
+    nblocks, qmax, name = -(-numel // block), 2 ** (bits - 1) - 1, CUDA_TYPE_NAMES[x.dtype]
+    np, _ = _quant_shape(out, numel, block, codes_len)
+    row_bytes, device = out.shape[1], x.device
+    launch("quantize", f"quant_scales<{name}>", device, rows * nblocks, THREADS, (
+        np.uint64(x.data_ptr()), np.int64(numel), np.int64(block), np.int64(nblocks), np.int32(qmax),
+        np.uint64(out.data_ptr()), np.int64(row_bytes), np.int64(codes_len)))
+    launch("quantize", f"quant_codes<{name}, {bits}>", device, -(-rows * codes_len // THREADS), THREADS, (
+        np.uint64(x.data_ptr()), np.int64(rows), np.int64(numel), np.int64(block), np.int32(qmax),
+        np.uint64(0 if seed is None else seed.data_ptr()), np.uint64(out.data_ptr()), np.int64(row_bytes),
+        np.int64(codes_len)))
+    return True
+
+
+@torch.no_grad()
+def dequantize_rows(packed: torch.Tensor, numel: int, bits: int, block: int, codes_len: int,
+                    out: torch.Tensor) -> bool:
+    """``out`` (rows, ``numel``, rows may be strided; fp32, bf16 or fp16) = the values of ``packed``:
+    written straight into the caller's buffer, in its dtype."""
+    if out.dim() != 2 or out.stride(1) != 1 or not _kernels_take(packed, [([packed], (torch.uint8,)),
+                                                                           ([out.select(0, 0)], tuple(CUDA_TYPE_NAMES))]):
+        return False
+    np, shape = _quant_shape(packed, numel, block, codes_len)
+    grid = -(-packed.shape[0] * numel // THREADS)
+    launch("quantize", f"dequant_rows<{CUDA_TYPE_NAMES[out.dtype]}, {bits}>", packed.device, grid, THREADS, (
+        np.uint64(packed.data_ptr()), *shape, np.uint64(out.data_ptr()), np.int64(out.stride(0))))
+    return True
+
+
+@torch.no_grad()
+def dequantize_sum(packed: torch.Tensor, numel: int, bits: int, block: int, codes_len: int,
+                   out: torch.Tensor) -> bool:
+    """``out`` (``numel`` fp32) = the sum over rows of ``packed``'s values, in fp32, row 0 first."""
+    if not _kernels_take(packed, [([packed], (torch.uint8,)), ([out], (torch.float32,))]):
+        return False
+    np, shape = _quant_shape(packed, numel, block, codes_len)
+    launch("quantize", f"dequant_sum<{bits}>", packed.device, -(-numel // THREADS), THREADS, (
+        np.uint64(packed.data_ptr()), *shape, np.uint64(out.data_ptr())))
+    return True
