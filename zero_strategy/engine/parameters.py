@@ -100,8 +100,9 @@ def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], de
     for m in owners:
         if not hasattr(m, "reset_parameters"):
             raise ValueError(
-                f"{type(m).__name__} was built on the meta device (inside configure_model at stage 3) but has no "
-                "reset_parameters() to initialise it; add one, or build this module in __init__ instead.")
+                f"{type(m).__name__} was built on the meta device (in configure_model at stage 3, or under "
+                "fabric.init_module(empty_init=True)) but has no reset_parameters() to initialise it; add one, or "
+                "build this module with real tensors (in __init__, or outside init_module).")
         # not Module.to_empty: it replaces meta Parameters by new objects, and the sharder, the
         # optimizer and tied modules all hold these ones; swap_tensors keeps each object
         for p in m.parameters(recurse=False):
