@@ -313,3 +313,25 @@ def test_stage3_fields():
         ZeroConfig(collective_timeout=0)
     with pytest.raises(ValueError, match=r"check_unit_order='yes' must be True or False"):
         ZeroConfig(check_unit_order="yes")
+
+
+def test_every_front_end_takes_every_engine_setting_with_its_default():
+    # ZeroStrategy and ZeroFabricStrategy spell ZeroConfig's fields out in their signatures (for IDEs,
+    # help() and zero-train's checks): a field added to ZeroConfig must be added to both, same default
+    import dataclasses
+    import inspect
+
+    from zero_strategy import ZeroFabricStrategy, ZeroStrategy
+
+    # master_weights follows the precision plugin (frontend/setup.py: engine_config), not an argument
+    fields = {f.name: f.default for f in dataclasses.fields(ZeroConfig) if f.name != "master_weights"}
+    for front_end in (ZeroStrategy, ZeroFabricStrategy):
+        params = inspect.signature(front_end.__init__).parameters
+        missing = set(fields) - set(params)
+        assert not missing, f"{front_end.__name__} lacks {sorted(missing)}"
+        for name, default in fields.items():
+            given = params[name].default
+            assert given == default or (given == () and default in ((), None)), (front_end.__name__, name)
+    strategy = ZeroStrategy(stage=3, quantized_weights=True, secondary_partition_size=2, collective_timeout=30.0)
+    assert (strategy.config.quantized_weights, strategy.config.secondary_partition_size,
+            strategy.config.collective_timeout) == (True, 2, 30.0)

@@ -64,7 +64,7 @@ from .frontend import (EngineModel, WorkingPrecision, add_optimizers, clip_grad_
                        load_full_model, move_module, setup_engine)
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
 from .frontend.options import (DeepSpeedConfig, ProcessLayout, barrier, broadcast_object, check_world_size,
-                               process_group_backend, read_options)
+                               engine_arguments, process_group_backend, read_options)
 from .frontend.precision import generic_precision_name
 from .memory import memory_stats
 
@@ -185,18 +185,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         verify_checkpoints: bool = True,
         config: Optional[DeepSpeedConfig] = None,
     ) -> None:
-        engine = dict(
-            stage=stage, bucket_cap_mb=bucket_cap_mb, shard_modules=shard_modules, unit_params=unit_params,
-            param_persistence_threshold=param_persistence_threshold, prefetch=prefetch,
-            allow_untested_optimizer=allow_untested_optimizer, offload_optimizer=offload_optimizer,
-            offload_params=offload_params, offload_dir=offload_dir, offload_tile_mb=offload_tile_mb,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_interval=activation_checkpointing_interval,
-            offload_activations=offload_activations, check_unit_order=check_unit_order,
-            collective_timeout=collective_timeout, quantized_weights=quantized_weights,
-            quantized_gradients=quantized_gradients, quantization_block_size=quantization_block_size,
-            secondary_partition_size=secondary_partition_size,
-        )
+        engine = engine_arguments(locals())  # ZeroConfig's fields, as given
         options = read_options(engine, state_dict_type=state_dict_type, verify_checkpoints=verify_checkpoints,
                                start_method=start_method, timeout=timeout, config=config)
         if options.deepspeed is not None:

@@ -41,8 +41,8 @@ from .engine.watchdog import install_sigterm_handler
 from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,
                        load_sharded_optimizers, move_module, open_sharded, read_deepspeed, save_sharded_model,
                        setup_engine)
-from .frontend.options import (ProcessLayout, barrier, broadcast_object, check_world_size, process_group_backend,
-                               read_options)
+from .frontend.options import (ProcessLayout, barrier, broadcast_object, check_world_size, engine_arguments,
+                               process_group_backend, read_options)
 from .frontend.setup import engine_config
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
@@ -121,18 +121,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         verify_checkpoints: bool = True,
         config: Optional[DeepSpeedConfig] = None,
     ) -> None:
-        engine = dict(
-            stage=stage, bucket_cap_mb=bucket_cap_mb, shard_modules=shard_modules,
-            unit_params=unit_params, param_persistence_threshold=param_persistence_threshold,
-            prefetch=prefetch, allow_untested_optimizer=allow_untested_optimizer,
-            offload_optimizer=offload_optimizer, offload_params=offload_params, offload_dir=offload_dir,
-            offload_tile_mb=offload_tile_mb, activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_interval=activation_checkpointing_interval,
-            offload_activations=offload_activations, check_unit_order=check_unit_order,
-            collective_timeout=collective_timeout, quantized_weights=quantized_weights,
-            quantized_gradients=quantized_gradients, quantization_block_size=quantization_block_size,
-            secondary_partition_size=secondary_partition_size,
-        )
+        engine = engine_arguments(locals())  # ZeroConfig's fields, as given
         options = read_options(engine, state_dict_type=state_dict_type, verify_checkpoints=verify_checkpoints,
                                start_method=start_method, timeout=timeout, config=config)
         self.deepspeed: Optional[DeepSpeedSettings] = options.deepspeed  # see deepspeed_config.py

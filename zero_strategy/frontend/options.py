@@ -86,6 +86,13 @@ class FrontEndOptions:
         return self.deepspeed.precision, dict(self.deepspeed.precision_kwargs)
 
 
+def engine_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The ZeroConfig fields among a front end's constructor arguments (its ``locals()``). Each front end
+    spells every field out in its signature (IDEs, ``help()`` and zero-train's config checks read it);
+    tests/test_config.py checks that none is missing."""
+    return {name: arguments[name] for name in ZeroConfig.__dataclass_fields__ if name in arguments}
+
+
 def read_options(engine: dict[str, Any], *, state_dict_type: str, verify_checkpoints: bool, start_method: str,
                  timeout: Union[timedelta, float, None], config: Optional[DeepSpeedConfig]) -> FrontEndOptions:
     """Check a front end's arguments (``engine``: ZeroConfig's fields), raising for a bad one with its
