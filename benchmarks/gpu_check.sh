@@ -5,9 +5,9 @@
 # torch with CUDA, CuPy, pytest, pytest-timeout, safetensors and xxhash; Lightning for the one
 # activation test and the stages benchmark.
 #   bash benchmarks/gpu_check.sh                     # BUDGET_S=390, PYTHON=python3 by default
-# Results go to $OUT when it is set, else to benchmarks/results_gpu/, ten files: summary.txt (the
+# Results go to $OUT when it is set, else to benchmarks/results_gpu/, twelve files: summary.txt (the
 # environment, then each step's exit status and seconds), kernel_tests.log, engine_tests.log,
-# bench_kernels.log and .json, bench_fused_step.log and .json, bench_activations.log,
+# bench_gpt2.log and .json, bench_kernels.log and .json, bench_fused_step.log and .json, bench_activations.log,
 # bench_offload.log, bench_stages.log.
 #
 # [Note: the GPU check's time budget]
@@ -72,6 +72,10 @@ step kernel_tests 150 "$py" -m pytest "${pytest_args[@]}" \
 # the CUDA tests among the engine's (the multi-rank file's cpu variants run in the normal suite)
 step engine_tests 180 "$py" -m pytest "${pytest_args[@]}" -k "(gpu or cuda) and not cpu" \
     tests/test_engine_gpu.py tests/test_engine_gpu_multirank.py tests/test_activation_checkpointing.py
+# issue 15's head-to-head: GPT-2 small through Lightning, a fresh process per strategy (DeepSpeed where
+# its wheel was carried and installed; skipped otherwise)
+step bench_gpt2 150 "$py" benchmarks/bench_gpt2_lightning.py --steps 20 \
+    --variants plain,zero2,zero3,zero3_offload,fsdp,deepspeed2,deepspeed3 --out "$out/bench_gpt2.json"
 step bench_kernels 60 "$py" benchmarks/bench_kernels.py --out "$out/bench_kernels.json"
 step bench_fused_step 90 "$py" benchmarks/bench_fused_step.py --out "$out/bench_fused_step.json"
 step bench_activations 30 "$py" benchmarks/bench_activations.py --n-embd 256 --seq 256 --batch 16 --repeats 3 --device cuda
