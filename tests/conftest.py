@@ -41,3 +41,10 @@ def pytest_runtest_protocol(item, nextitem):
 def _close_worker_pools():
     yield
     distributed.close_pools()
+
+
+@pytest.fixture(scope="session")
+def tmp_root(tmp_path_factory) -> str:
+    """A folder for the Lightning launches tests share (test_lightning.py's cached runs: see [Note: one
+    launch per strategy] there), so DDP's references are launched once per session."""
+    return str(tmp_path_factory.mktemp("lightning"))

@@ -1,10 +1,19 @@
 """ZeroStrategy through Lightning's Trainer on 2 CPU processes, against Lightning's DDP on the same
 seed and data: fit with validation, then validate, test and predict, a torchmetrics metric, a
-StepLR scheduler stepped by Lightning, a frozen layer, two param groups."""
+StepLR scheduler stepped by Lightning, a frozen layer, two param groups.
+
+[Note: one launch per strategy]
+Starting Lightning in two processes costs more than the runs themselves, so each strategy is
+launched once, running every case its tests need one after another in the same processes (see
+tests/scripts/lightning_run.py's ``--cases``), and DDP once for all the references; each test reads
+its case. A case starts from ``seed_everything(0)`` with a new Trainer and model, as a separate
+launch did, so the assertions are those of separate runs.
+"""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -16,26 +25,66 @@ import torch
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
 
 
-def launch(out: Path, strategy: str, *extra: str, script: Path = SCRIPT) -> list[dict]:
+def launch(out: Path, strategy: str, *extra: str, script: Path = SCRIPT, timeout: int = 240) -> list[dict]:
     """Run the script as a user would (Lightning's popen launcher starts rank 1 itself)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     proc = subprocess.run([sys.executable, str(script), "--strategy", strategy, "--out", str(out), *extra],
-                          env=env, capture_output=True, text=True, timeout=240)
+                          env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if "--cases" in extra:
+        return []
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+def launch_cases(out: Path, strategy: str, cases: dict[str, tuple[str, ...]]) -> dict[str, list[dict]]:
+    """Every case in one launch (see [Note: one launch per strategy]): case name -> each rank's results."""
+    launch(out, strategy, "--cases", json.dumps({name: list(args) for name, args in cases.items()}),
+           timeout=120 + 60 * len(cases))
+    return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=True) for r in range(2)] for name in cases}
+
+
+CASES: dict[str, tuple[str, ...]] = {
+    "plain": (),
+    "clip": ("--clip", "0.05"),  # below the gradient norm of the steps here, so the clip changes the run
+    "clip_value": ("--clip", "0.01", "--clip-algorithm", "value"),
+    "accumulate": ("--accumulate", "4"),
+    "resume": ("--stop-at", "5"),
+    "manual": ("--manual",),
+    "bf16": ("--precision", "bf16-mixed", "--steps", "20"),
+    "fp16": ("--precision", "16-mixed", "--steps", "20"),
+    "meta": ("--configure-model",),
+}
+DDP_CASES = {**{name: CASES[name] for name in ("plain", "clip", "clip_value", "accumulate", "resume")},
+             "steps20": ("--steps", "20"),  # the fp32 reference of the mixed-precision runs
+             "manual": ("--manual", "--strategy", "ddp_find_unused_parameters_true")}
+ZERO_CASES = {  # what each strategy's tests read
+    "zero_stage_1": ("plain", "clip", "clip_value", "accumulate", "manual", "bf16", "fp16"),
+    "zero_stage_2": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16"),
+    "zero3-linear": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "meta"),
+    "zero_stage_3": ("manual",),
+}
+
+
 @functools.lru_cache(maxsize=None)
+def ddp_runs(tmp_root: str) -> dict[str, list[dict]]:
+    return launch_cases(Path(tmp_root) / "ddp", "ddp", DDP_CASES)
+
+
 def ddp_run(tmp_root: str, *extra: str, strategy: str = "ddp") -> tuple:
+    """DDP's run with these extra arguments (from the one DDP launch when it holds that case)."""
+    wanted = tuple(extra) + (("--strategy", strategy) if strategy != "ddp" else ())
+    for name, args in DDP_CASES.items():
+        if args == wanted:
+            return tuple(ddp_runs(tmp_root)[name])
     return tuple(launch(Path(tmp_root) / (strategy + "_".join(extra)), strategy, *extra))
 
 
-@pytest.fixture(scope="module")
-def tmp_root(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("lightning"))
+@functools.lru_cache(maxsize=None)
+def zero_runs(tmp_root: str, strategy: str) -> dict[str, list[dict]]:
+    return launch_cases(Path(tmp_root) / strategy, strategy, {name: CASES[name] for name in ZERO_CASES[strategy]})
 
 
 def assert_same_run(zero: list[dict], ddp: tuple) -> None:
@@ -60,10 +109,13 @@ def assert_same_run(zero: list[dict], ddp: tuple) -> None:
 STAGES = ["zero_stage_1", "zero_stage_2", "zero3-linear"]  # zero3-linear: every Linear a stage-3 unit
 
 
-@pytest.mark.timeout(300)
+LAUNCH_TIMEOUT = 900  # a test may wait for its strategy's launch of every case (and DDP's)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("strategy", STAGES)
-def test_trainer_matches_ddp(tmp_path, tmp_root, strategy):
-    zero = launch(tmp_path, strategy)
+def test_trainer_matches_ddp(tmp_root, strategy):
+    zero = zero_runs(tmp_root, strategy)["plain"]
     for z in zero:
         assert z["world_size"] == 2
         c = z["collectives"]  # the strategy's reduce / all_gather / broadcast Lightning and users call
@@ -94,47 +146,47 @@ def assert_comm_stats_predicted(zero: list[dict]) -> None:
     assert want["total"] > 0
 
 
-@pytest.mark.timeout(300)
-def test_stage3_builds_configure_model_on_meta_and_matches_ddp(tmp_path, tmp_root):
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_stage3_builds_configure_model_on_meta_and_matches_ddp(tmp_root):
     # Layers built in configure_model go on the meta device and are materialised one unit at a
     # time, in module order, so they draw the same random numbers as DDP's eager construction.
-    zero = launch(tmp_path, "zero3-linear", "--configure-model")
+    zero = zero_runs(tmp_root, "zero3-linear")["meta"]
     assert [z["built_on"] for z in zero] == ["meta", "meta"]
     assert_same_run(zero, ddp_run(tmp_root))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("strategy", STAGES)
-def test_clipping_by_norm_matches_ddp(tmp_path, tmp_root, strategy):
+def test_clipping_by_norm_matches_ddp(tmp_root, strategy):
     # 0.05 is below the gradient norm of the steps here, so the clip changes the run
     clipped = ddp_run(tmp_root, "--clip", "0.05")
     assert clipped[0]["losses"][2:] != pytest.approx(ddp_run(tmp_root)[0]["losses"][2:], rel=1e-3)
-    assert_same_run(launch(tmp_path, strategy, "--clip", "0.05"), clipped)
+    assert_same_run(zero_runs(tmp_root, strategy)["clip"], clipped)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("strategy", STAGES)
-def test_gradient_accumulation_matches_ddp(tmp_path, tmp_root, strategy):
+def test_gradient_accumulation_matches_ddp(tmp_root, strategy):
     # 4 micro-batches per step: stage 2 reduces each into the gradient shard, stage 1 once
-    assert_same_run(launch(tmp_path, strategy, "--accumulate", "4"), ddp_run(tmp_root, "--accumulate", "4"))
+    assert_same_run(zero_runs(tmp_root, strategy)["accumulate"], ddp_run(tmp_root, "--accumulate", "4"))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("strategy", ["zero_stage_2", "zero3-linear"])
-def test_resume_from_checkpoint_matches_ddp_resume(tmp_path, tmp_root, strategy):
+def test_resume_from_checkpoint_matches_ddp_resume(tmp_root, strategy):
     # Fit 5 steps, save, resume in a fresh Trainer and model, against DDP doing the same (Lightning
     # restarts a plain dataloader's epoch on resume, so an uninterrupted run sees other batches).
     # The checkpoint is a sharded directory (each rank saved its own pieces); the optimizer state must
     # carry over exactly, mid-epoch.
-    assert_same_run(launch(tmp_path, strategy, "--stop-at", "5"), ddp_run(tmp_root, "--stop-at", "5"))
+    assert_same_run(zero_runs(tmp_root, strategy)["resume"], ddp_run(tmp_root, "--stop-at", "5"))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 @pytest.mark.parametrize("strategy", STAGES)
-def test_mixed_precision_follows_fp32_ddp(tmp_path, tmp_root, strategy, precision):
+def test_mixed_precision_follows_fp32_ddp(tmp_root, strategy, precision):
     # low-precision weights and gradients, fp32 master shards: within 2e-2 of fp32 over 20 steps
-    zero = launch(tmp_path, strategy, "--precision", precision, "--steps", "20")
+    zero = zero_runs(tmp_root, strategy)["bf16" if precision == "bf16-mixed" else "fp16"]
     ddp = ddp_run(tmp_root, "--steps", "20")
     want_dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
     for z, d in zip(zero, ddp):
@@ -145,18 +197,17 @@ def test_mixed_precision_follows_fp32_ddp(tmp_path, tmp_root, strategy, precisio
         assert zero[0]["metrics"]["loss_scale"] == 256.0 and zero[0]["metrics"]["skipped_steps"] == 0.0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("strategy", STAGES)
-def test_clipping_by_value_matches_ddp(tmp_path, tmp_root, strategy):
-    extra = ("--clip", "0.01", "--clip-algorithm", "value")
-    clipped = ddp_run(tmp_root, *extra)
+def test_clipping_by_value_matches_ddp(tmp_root, strategy):
+    clipped = ddp_run(tmp_root, *CASES["clip_value"])
     assert clipped[0]["losses"][2:] != pytest.approx(ddp_run(tmp_root)[0]["losses"][2:], rel=1e-3)
-    assert_same_run(launch(tmp_path, strategy, *extra), clipped)
+    assert_same_run(zero_runs(tmp_root, strategy)["clip_value"], clipped)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("strategy", [*STAGES, "zero_stage_3"])  # zero_stage_3: one resident group here
-def test_manual_optimization_with_two_optimizers_matches_ddp(tmp_path, tmp_root, strategy):
+def test_manual_optimization_with_two_optimizers_matches_ddp(tmp_root, strategy):
     # GAN style: manual_backward and opt.step() for each of two optimizers over disjoint parameters
     reference = ddp_run(tmp_root, "--manual", strategy="ddp_find_unused_parameters_true")
-    assert_same_run(launch(tmp_path, strategy, "--manual"), reference)
+    assert_same_run(zero_runs(tmp_root, strategy)["manual"], reference)

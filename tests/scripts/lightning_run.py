@@ -1,14 +1,21 @@
-"""One Lightning training run on 2 CPU processes, launched as users launch it (popen: this script
+"""Lightning training runs on 2 CPU processes, launched as users launch them (popen: this script
 runs once per rank). Each rank writes what it saw to OUT/rank{r}.pt for the tests to compare.
 
-    python lightning_run.py --strategy zero_stage_2 --out DIR [--steps 12] [--stop-at K --ckpt F]
+    python lightning_run.py --strategy zero_stage_2 --out DIR [--steps 12] [--stop-at K] [--clip 0.05] ...
+    python lightning_run.py --strategy zero_stage_2 --out DIR --cases '{"plain": [], "clip": ["--clip", "0.05"]}'
+
+With ``--cases`` (JSON: case name -> extra arguments) the ranks run each case in turn in the same
+two processes, one Trainer after another (each from ``seed_everything(0)``, as a fresh launch
+would), writing OUT/<case>/rank{r}.pt: one launch serves many tests that share a strategy.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import sys
 
 import lightning as L
 import torch
@@ -147,6 +154,7 @@ def trainer(args, max_steps: int) -> L.Trainer:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", required=True)
+    parser.add_argument("--cases", help="JSON: case name -> extra arguments; each case writes OUT/<case>/")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--clip", type=float, default=0.0)
@@ -157,7 +165,21 @@ def main() -> None:
     parser.add_argument("--clip-algorithm", default="norm", choices=["norm", "value"])
     parser.add_argument("--stop-at", type=int, default=0, help="fit to this step, save, resume in a new Trainer")
     args = parser.parse_args()
+    if args.cases is None:
+        run(args)
+    else:
+        for name, extra in json.loads(args.cases).items():
+            case = parser.parse_args([*sys.argv[1:], *extra])  # a case's arguments come last: they win
+            case.out = os.path.join(args.out, name)
+            os.makedirs(case.out, exist_ok=True)
+            run(case)
+    # Leaving gloo's threads to interpreter shutdown sometimes aborts the process
+    # ("terminate called without an active exception"), with DDP as with ZeRO.
+    torch.distributed.destroy_process_group()
 
+
+def run(args: argparse.Namespace) -> None:
+    """One case: fit (with validation), validate, test, predict; save what this rank saw."""
     L.seed_everything(0)
     model_class = TwoOptimizers if args.manual else Classifier
     model = model_class(args.configure_model)
@@ -200,9 +222,6 @@ def main() -> None:
         # [Note: checkpoint layout]
         "params": strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else strategy.lightning_module_state_dict(),
     }, os.path.join(args.out, f"rank{rank}.pt"))
-    # Leaving gloo's threads to interpreter shutdown sometimes aborts the process
-    # ("terminate called without an active exception"), with DDP as with ZeRO.
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
