@@ -15,8 +15,10 @@ the same over the resident memory before the model was built, the median step ti
 - ``fsdp2``: ``fully_shard`` on each block (the MLP's blocks, GPT2Block, BertLayer) and the root.
 
 The losses of the first steps are compared with DDP's. Then the ZeRO-3 processes time the order
-guard ([Note: order guard]): ``--guard-steps`` more steps with the check on and off in turn (the
-same model, interleaved), printing the paired ratio of their medians.
+guard ([Note: order guard]): ``--guard-steps`` more steps with every pass checked and with none, in
+turn (the same model, interleaved), printing the ratio of their medians (a checked step's cost), and
+what that makes under the default schedule (every pass for the first ones, then one in
+``check_unit_order_every``), computed from it.
 """
 
 from __future__ import annotations
@@ -134,10 +136,11 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, model_name: 
                       units=len(sharder.units), largest_unit=max(sum(g.layout.numel for g in u.groups)
                                                                  for u in sharder.units))
         on, off = [], []
+        sharder.guard.every = 1  # every pass checked while on: the cost of a checked pass
         for i in range(args.guard_steps):  # the order guard on and off in turn, on the same model
             sharder.guard.enabled = i % 2 == 0
             (on if sharder.guard.enabled else off).append(step(args.steps + i))
-        sharder.guard.enabled = True
+        sharder.guard.enabled, sharder.guard.every = True, sharder.config.check_unit_order_every
         result.update(guard_on=on, guard_off=off)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
@@ -168,6 +171,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64, help="tokens per sample (GPT-2, BERT)")
     args = parser.parse_args(argv)
+    from zero_strategy import ZeroConfig
+    from zero_strategy.engine.order_guard import FULL_CHECK_PASSES
+
     print(f"2 gloo ranks, 1 thread each, fp32 AdamW, batch {args.batch} (x {args.seq} tokens for GPT-2/BERT), "
           f"{args.steps} steps; torch {torch.__version__}")
     for model_name in args.models.split(","):
@@ -189,8 +195,11 @@ def main(argv=None) -> None:
               f"{z['model_state'] / z['formula']:.3f} x the formula 16 x params / N ({z['formula'] / 2**20:.0f} MiB); "
               f"{z['units']} units, the largest {z['largest_unit'] / 1e6:.2f}M elements")
         ratios = [statistics.median(r["guard_on"]) / statistics.median(r["guard_off"]) for r in results["zero3"]]
-        print(f"order guard: step time with the check / without, per rank: "
-              + ", ".join(f"{x:.3f}" for x in ratios))
+        every = ZeroConfig().check_unit_order_every
+        print("order guard: a checked step's time over an unchecked one's, per rank: "
+              + ", ".join(f"{x:.3f}" for x in ratios)
+              + f"; by default one pass in {every} is checked after the first {FULL_CHECK_PASSES}: "
+              + ", ".join(f"{1 + (x - 1) / every:.4f}" for x in ratios) + " (computed)")
     sys.stdout.flush()
 
 

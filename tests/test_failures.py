@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from zero_strategy.engine.watchdog import HANG_EXIT_CODE, SIGTERM_EXIT_CODE
 
@@ -106,3 +107,20 @@ def test_sigterm_ends_a_process_waiting_in_a_collective():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_the_order_guard_checks_the_first_passes_then_one_in_every():
+    from zero_strategy.engine import Collectives
+    from zero_strategy.engine.order_guard import FULL_CHECK_PASSES, OrderGuard
+
+    guard = OrderGuard(Collectives(), ["unit"], torch.device("cpu"), every=10)
+    checked = []
+    for _ in range(40):
+        guard.begin_pass()
+        checked.append(guard.active)
+    assert FULL_CHECK_PASSES == 10
+    assert [p for p, c in enumerate(checked, start=1) if c] == [*range(1, 11), 20, 30, 40]
+    every_pass = OrderGuard(Collectives(), ["unit"], torch.device("cpu"), every=1)
+    for _ in range(40):
+        every_pass.begin_pass()
+        assert every_pass.active

@@ -7,7 +7,7 @@ the meta device) and lists the collectives of one training step:
 
 - stage 3, forward: the root unit's all-gathers, then each unit's, once (quantized with
   ``quantized_weights``); backward: each unit's again (from the secondary partition, within its
-  group, with ``secondary_partition_size``); with the order guard, one all-gather of 5 int64 tags
+  group, with ``secondary_partition_size``); in a pass the order guard checks, one all-gather of 5 int64 tags
   over all ranks before each of these unit gathers;
 - every stage: one reduce-scatter per gradient segment (stages 2-3 in backward, per micro-batch;
   stage 1 once, before the step), quantized with ``quantized_gradients``;
@@ -150,12 +150,14 @@ def _groups(params: Sequence[nn.Parameter], config: ZeroConfig, world_size: int,
 
 def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, ranks_per_node: Optional[int] = None,
                        backend: str = "nccl", dtype: Optional[torch.dtype] = None, loss_scaling: bool = False,
-                       clipping: bool = False, accumulation_steps: int = 1,
+                       clipping: bool = False, accumulation_steps: int = 1, order_checked: bool = True,
                        by_phase: bool = False) -> dict[str, int] | dict[str, dict[str, int]]:
     """The bytes one rank sends in one training step of ``module`` under ``config`` (see [Note: the
     communication model]): the keys of ``comm_stats()``. ``dtype`` is the working weights' (default:
     the parameters' own); ``backend`` "gloo" costs reduce-scatters as gloo runs them; ``loss_scaling``
-    (fp16) and ``clipping`` add their small all-reduces. With ``by_phase`` the same, per phase
+    (fp16) and ``clipping`` add their small all-reduces; ``order_checked``: a step whose pass the order
+    guard checks (the first passes, then one in ``check_unit_order_every``: see [Note: order guard] in
+    engine/order_guard.py), which sends its tags. With ``by_phase`` the same, per phase
     ("forward", "backward", "step"). ``module`` may be on the meta device.
     """
     if accumulation_steps < 1:
@@ -175,7 +177,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     else:
         units, root = [], []
         resident = _groups([p for p in params if p.requires_grad], config, world_size, element_size, False)
-    guard = config.stage == 3 and config.check_unit_order and world_size > 1
+    guard = config.stage == 3 and config.check_unit_order and order_checked and world_size > 1
     secondary = config.secondary_partition_size
     secondary_inter = secondary is not None and nodes.spans_nodes(list(range(secondary)))
     trainable = [g for g in [*(g for u in units for g in u), *root, *resident] if g.trainable]

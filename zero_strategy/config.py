@@ -84,7 +84,12 @@ class ZeroConfig:
 
     check_unit_order: bool = True
     """Stage 3: before each unit's all-gather, check that every rank is gathering the same unit, and
-    raise naming what each rank was doing if not (see [Note: order guard] in engine/order_guard.py)."""
+    raise naming what each rank was doing if not (see [Note: order guard] in engine/order_guard.py),
+    in every one of the first passes and then in every ``check_unit_order_every``-th."""
+
+    check_unit_order_every: int = 10
+    """After the order guard's first passes (``FULL_CHECK_PASSES``, 10), check one pass in this many
+    (1: every pass). Checking every pass costs 3-6% of a CPU step (benchmarks/RESULTS.md)."""
 
     collective_timeout: Optional[float] = 600.0
     """Seconds a gloo collective of the engine may wait before the process ends, printing what it
@@ -143,6 +148,10 @@ class ZeroConfig:
                              "as long as the process group's timeout.")
         if not isinstance(self.check_unit_order, bool):
             raise ValueError(f"check_unit_order={self.check_unit_order!r} must be True or False.")
+        every = self.check_unit_order_every
+        if type(every) is not int or every < 1:
+            raise ValueError(f"check_unit_order_every={every!r} must be a positive integer: check one pass in this "
+                             "many after the first ones (1: every pass; check_unit_order=False: none).")
 
         self._check_memory_options()
         self._check_communication_options()

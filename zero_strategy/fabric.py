@@ -169,6 +169,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         activation_checkpointing_interval: int = 1,
         offload_activations: bool = False,
         check_unit_order: bool = True,
+        check_unit_order_every: int = 10,
         collective_timeout: Optional[float] = 600.0,
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str, None] = None,

@@ -129,7 +129,8 @@ def loaders():
 
 def strategy(name: str):
     if name == "zero3-linear":  # every Linear its own unit, nothing resident: the real stage 3 paths
-        return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0)
+        # the order guard checks every pass here, so that comm_stats() of the last step holds its tags
+        return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0, check_unit_order_every=1)
     return name
 
 

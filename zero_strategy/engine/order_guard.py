@@ -12,9 +12,15 @@ once. On CUDA they are compared at the end of each pass (``flush``), which alrea
 device, so the check never stalls the stream; a divergence that makes NCCL hang before that is
 left to NCCL's own timeout.
 
-The check costs one all-gather of 5 integers per unit gather (see benchmarks/RESULTS.md). The
-tags are those of the gathers this rank issues: prefetches included, which follow the same
-history on every rank.
+The check costs one all-gather of 5 integers per unit gather: 3-6% of a step on 2 CPU ranks
+(benchmarks/RESULTS.md), more than a check that is always on should cost. So it checks every pass
+for the first ``FULL_CHECK_PASSES``, where a model's control flow shows itself, then one pass in
+``every`` (``check_unit_order_every``, 10 by default: about a tenth of the cost), and always outside
+passes (state dicts, gathered_parameters). Which passes are checked depends on the pass count alone,
+the same on every rank. A divergence in an unchecked pass is caught at the next checked pass it
+happens in; between, it makes the engine's collectives disagree, and the hang watchdog ends the job
+naming the collective (see [Note: hang watchdog] in watchdog.py). The tags are those of the gathers
+this rank issues: prefetches included, which follow the same history on every rank.
 """
 
 from __future__ import annotations
@@ -42,11 +48,17 @@ class UnitOrderError(RuntimeError):
     """Ranks ran different stage-3 units at the same point."""
 
 
+FULL_CHECK_PASSES = 10
+"""Passes checked in full before the guard samples one in ``every`` (see [Note: order guard])."""
+
+
 class OrderGuard:
     """Compares every gather's tag across ranks (see [Note: order guard])."""
 
-    def __init__(self, comm: Collectives, unit_names: Sequence[str], device: torch.device) -> None:
+    def __init__(self, comm: Collectives, unit_names: Sequence[str], device: torch.device, every: int = 1) -> None:
         self.comm = comm
+        self.every = every
+        self.active = True  # this pass is checked
         self.names = list(unit_names)
         self.device = device
         self.deferred = device.type == "cuda"
@@ -59,11 +71,12 @@ class OrderGuard:
         self.flush()
         self.passes += 1
         self.seq = 0
+        self.active = self.passes <= FULL_CHECK_PASSES or self.passes % self.every == 0
 
     def check(self, unit: int, phase: int, context: int = -1) -> None:
         """Before ``unit``'s all-gather: agree with every rank on what is being gathered. ``context`` is
         the unit whose hook asks (see ``_DOING``), -1 for none."""
-        if not self.enabled:
+        if not self.enabled or not (self.active or phase == OUTSIDE):
             return
         self.seq += 1
         tag = torch.tensor([self.passes, self.seq, unit, phase, context], dtype=torch.int64, device=self.device)
