@@ -93,15 +93,17 @@ def step_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
                 run["times"].append(time.perf_counter() - t0)
                 run["losses"].append(loss.item())
             run["stats"] = run["opt"].comm_stats()
-    return {name: {"median_s": statistics.median(r["times"]), "final_loss": r["losses"][-1], "stats": r["stats"]}
-            for name, r in runs.items()}
+            run["checked"] = run["opt"].sharder.guard.active  # did the order guard check this step's pass?
+    return {name: {"median_s": statistics.median(r["times"]), "final_loss": r["losses"][-1], "stats": r["stats"],
+                   "order_checked": r["checked"]} for name, r in runs.items()}
 
 
-def predicted_step(args: argparse.Namespace, name: str) -> dict[str, int]:
+def predicted_step(args: argparse.Namespace, name: str, order_checked: bool) -> dict[str, int]:
     width = model_shape(args.params_millions, args.layers)
     with torch.device("meta"):
         model = ResidualMLP(width, args.layers)
-    return predict_step_bytes(model, _step_config(OPTIONS[name], args.bucket_cap_mb), WORLD, PER_NODE, backend="gloo")
+    return predict_step_bytes(model, _step_config(OPTIONS[name], args.bucket_cap_mb), WORLD, PER_NODE, backend="gloo",
+                              order_checked=order_checked)
 
 
 # ---- part "gpt": convergence on the standard library --------------------------------------------
@@ -302,7 +304,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "step" in parts:
         results["step"] = _launch("step", args)
         for name, r in results["step"].items():
-            r["predicted_equal"] = r["stats"] == predicted_step(args, name)
+            r["predicted_equal"] = r["stats"] == predicted_step(args, name, r["order_checked"])
     if "gpt" in parts:
         results["gpt"] = _launch("gpt", args)
     if "estimate" in parts:
