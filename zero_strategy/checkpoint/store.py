@@ -21,7 +21,8 @@ not the layout that wrote them: any world size and stage reads exactly the range
 (``CheckpointReader.read``), and safetensors reads them without loading the rest of the file.
 
 [Note: checksums]
-Each rank hashes every part (safetensors key) of its file as it writes it, and rank 0 the bytes
+Each rank hashes every part (safetensors key) of its file while it writes it (xxh3 in a thread,
+beside safetensors' write: both release the GIL, so the hash hides behind the write), and rank 0 the bytes
 of trainer_state.pt; the index records them (``files[f]["checksums"][key]``,
 ``trainer_state["checksum"]``). A part is the grain because it is what a reader reads anyway: a
 rank that loads at another world size reads whole parts, never whole files, so it checks exactly
@@ -51,6 +52,7 @@ import json
 import os
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -111,10 +113,13 @@ class RankWriter:
         """Write the file (an empty one when the rank owns nothing) and hash its parts (see [Note:
         checksums]); returns its size in bytes."""
         target = folder / self.file
-        save_file(self.tensors, str(target), metadata={"format": FORMAT})
+        with ThreadPoolExecutor(1) as pool:  # hash while safetensors writes: both only read the tensors
+            hashed = pool.submit(lambda: {key: checksum(_bytes_of(t)) for key, t in self.tensors.items()}) \
+                if self.with_checksums else None
+            save_file(self.tensors, str(target), metadata={"format": FORMAT})
+            if hashed is not None:
+                self.checksums = hashed.result()
         follow_umask(target)
-        if self.with_checksums:  # xxh3 reads memory at 25 GiB/s: a small fraction of the write
-            self.checksums = {key: checksum(_bytes_of(t)) for key, t in self.tensors.items()}
         return target.stat().st_size
 
 
