@@ -135,7 +135,8 @@ def _three_ways(stage: int, rank: int, world_size: int, clip: float, **extra) ->
                                                                    _params(ddp_model)),
             "boundaries": boundaries, "steps": (engine.global_steps, scheduler.last_epoch, engine.micro_steps),
             "lr": (engine.get_lr(), ddp_opt.param_groups[0]["lr"]), "norm": engine.get_global_grad_norm(),
-            "returned": (optimizer is engine.optimizer, engine.zero_optimization_stage(), engine.world_size)}
+            "returned": (optimizer is engine.optimizer, engine.zero_optimization_stage(), engine.world_size),
+            "comm": (engine.comm_stats(), zero.comm_stats() if stage >= 1 else None)}
 
 
 def _fp16(rank: int, world_size: int, stage: int) -> dict:
@@ -316,6 +317,11 @@ def test_the_tutorial_loop_equals_zero_optimizer_and_ddp_and_checkpoints_go_on(t
             assert r["steps"] == (BOUNDARIES, BOUNDARIES, BOUNDARIES * GAS)  # one scheduler step per boundary
             assert math.isclose(r["lr"][0][0], r["lr"][1]) and r["norm"] > 1.0  # so the default clip of 1.0 acted
             assert r["returned"] == (True, int(name[5]), 2)
+            engine_bytes, by_hand_bytes = r["comm"]  # the last step's bytes, counted through the engine
+            assert engine_bytes["total"] > 0 and engine_bytes["total"] == sum(
+                engine_bytes[k] for k in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"))
+            if by_hand_bytes is not None and name in ("stage1", "stage2"):  # same stage, buckets and clipping
+                assert engine_bytes["reduce_scatter"] == by_hand_bytes["reduce_scatter"]
         for stage, r in results["fp16"].items():
             assert r["dtype"] == torch.float16
             assert r["losses"][0] == r["losses"][1], f"fp16 stage {stage}"

@@ -152,6 +152,11 @@ class ZeroEngine(nn.Module):
         first, and unchanged by a step skipped for an fp16 overflow)."""
         return self._global_grad_norm
 
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank sent in its last step (since the previous boundary's step), by collective kind
+        and by link: see ZeroStrategy.comm_stats() and [Note: bytes sent] in engine/comm_volume.py."""
+        return self.comm.comm_stats()
+
     def gradient_clipping(self) -> float:
         """The norm gradients are clipped to at each step (0.0: none; 1.0 when the config is silent)."""
         return self.settings.clipping()
