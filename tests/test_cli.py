@@ -52,18 +52,6 @@ def check_finished_run(run_dir, stage: int, steps: int) -> list[dict]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3", "zero3_offload"])  # zero2: the shared run
-def test_each_strategy_preset_trains_on_two_processes(tmp_path, strategy):
-    proc = zero_train(tmp_path, *SMOKE, f"strategy={strategy}", f"hydra.run.dir={tmp_path / 'run'}")
-    stage = {"ddp": 0, "zero1": 1, "zero3": 3, "zero3_offload": 3}[strategy]
-    ranks = check_finished_run(tmp_path / "run", stage=stage, steps=6)
-    if strategy == "zero1":  # each rank holds half of Adam's state; DDP holds all of it
-        n = ranks[0]["memory"]["num_params"]
-        assert ranks[0]["memory"]["formula"]["optimizer_states"] == 8 * n // 2
-    assert "Model-state memory per rank" in proc.stdout and "Final metrics" in proc.stdout
-
-
-@pytest.mark.timeout(200)
 def test_zero2_preset_and_what_a_run_prints(zero2_run):
     run_dir, proc = zero2_run
     check_finished_run(run_dir, stage=2, steps=6)
@@ -85,18 +73,27 @@ def test_resume_from_last_checkpoint(tmp_path, zero2_run):
     assert min(logged_steps) >= 6 and max(logged_steps) == 8  # continued from step 6, not from 0
 
 
-@pytest.mark.timeout(240)
-def test_multirun_launches_each_jobs_ranks_in_its_own_folder(tmp_path):
+PRESETS = {"ddp": 0, "zero1": 1, "zero3": 3, "zero3_offload": 3}  # zero2: the shared run
+
+
+@pytest.mark.timeout(400)
+def test_each_strategy_preset_trains_on_two_processes_in_a_multirun(tmp_path):
+    # one multirun over the presets: each job's ranks train in the job's own folder (rank 1 started
+    # by Lightning's launcher, with its job's strategy), and each preset trains as a run of its own would
     sweep = tmp_path / "sweep"
-    zero_train(tmp_path, "-m", *SMOKE, "strategy=zero1,zero2", f"hydra.sweep.dir={sweep}")
-    for job, stage in ((0, 1), (1, 2)):
+    proc = zero_train(tmp_path, "-m", *SMOKE, "strategy=" + ",".join(PRESETS), f"hydra.sweep.dir={sweep}", timeout=400)
+    for job, (strategy, stage) in enumerate(PRESETS.items()):
         job_dir = sweep / str(job)
-        assert f"strategy=zero{stage}" in (job_dir / ".hydra" / "overrides.yaml").read_text()
-        # rank 1 (started by Lightning's launcher) finished in its job's folder, with its job's strategy
-        check_finished_run(job_dir, stage=stage, steps=6)
+        assert f"- strategy={strategy}" in (job_dir / ".hydra" / "overrides.yaml").read_text().splitlines()
+        ranks = check_finished_run(job_dir, stage=stage, steps=6)
         assert (job_dir / "train_ddp_process_1.log").is_file()
+        if strategy == "zero1":  # each rank holds half of Adam's state; DDP holds all of it
+            n = ranks[0]["memory"]["num_params"]
+            assert ranks[0]["memory"]["formula"]["optimizer_states"] == 8 * n // 2
     assert not (tmp_path / "outputs").exists(), "a child rank made a run folder of its own"
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [str(j) for j in range(len(PRESETS))]
+    for shown in ("Model-state memory per rank", "Final metrics"):
+        assert proc.stdout.count(shown) == len(PRESETS), shown
 
 
 BAD = {
