@@ -5,6 +5,7 @@ into a ZeRO run. Against Lightning's DDP on the same seed and data (tests/script
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +29,29 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")
 
 
+def _cases(root: Path) -> dict[str, tuple[str, ...]]:
+    """Every run the tests read, in an order where a resume follows the run that wrote its checkpoint."""
+    zero3, ddp = root / "all" / "zero3" / "epochs" / "epoch=0.ckpt", root / "all" / "ddp" / "epochs" / "epoch=0.ckpt"
+    return {"zero3": ("--strategy", "zero3"), "ddp": ("--strategy", "ddp"),
+            "zero3-from-zero3": ("--strategy", "zero3", "--resume", str(zero3)),
+            "zero2-from-zero3": ("--strategy", "zero2", "--resume", str(zero3)),
+            "zero1-from-ddp": ("--strategy", "zero1", "--resume", str(ddp)),
+            "zero3-from-ddp": ("--strategy", "zero3", "--resume", str(ddp))}
+
+
 @functools.lru_cache(maxsize=None)
+def _all_runs(root: Path) -> dict[str, list[dict]]:
+    """One launch running every case in turn (see [Note: one launch per strategy] in test_lightning.py)."""
+    out, cases = root / "all", _cases(root)
+    launch(out, "ddp", "--cases", json.dumps({name: list(args) for name, args in cases.items()}), script=SCRIPT,
+           timeout=120 + 60 * len(cases))
+    return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=True) for r in range(2)] for name in cases}
+
+
 def run(root: Path, strategy: str, resume: str = "") -> tuple[Path, list[dict]]:
-    out = root / f"{strategy}-from-{Path(resume).parent.parent.name}" if resume else root / strategy
-    extra = ("--resume", resume) if resume else ()
-    return out, launch(out, strategy, *extra, script=SCRIPT)
+    """(the run's folder, each rank's results) of ``strategy``, resumed from ``resume`` when given."""
+    name = f"{strategy}-from-{Path(resume).parent.parent.name}" if resume else strategy
+    return root / "all" / name, _all_runs(root)[name]
 
 
 def assert_close_params(got: dict, want: dict, exact: bool = False) -> None:
@@ -44,7 +63,7 @@ def assert_close_params(got: dict, want: dict, exact: bool = False) -> None:
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_model_checkpoint_writes_directories_and_keeps_top_k_and_last(root):
     out, ranks = run(root, "zero3")
     epochs = sorted(p.name for p in (out / "epochs").iterdir())
@@ -64,7 +83,7 @@ def test_model_checkpoint_writes_directories_and_keeps_top_k_and_last(root):
         assert_close_params(z["params"], d["params"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_resume_at_the_same_stage_is_exact_and_at_another_stage_close(root):
     out, full = run(root, "zero3")
     ckpt = str(out / "epochs" / "epoch=0.ckpt")
@@ -83,7 +102,7 @@ def test_resume_at_the_same_stage_is_exact_and_at_another_stage_close(root):
         assert_close_params(other[r]["params"], full[r]["params"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])
 def test_a_ddp_checkpoint_file_resumes_in_a_zero_run(root, strategy):
     ddp_out, ddp = run(root, "ddp")
@@ -96,7 +115,7 @@ def test_a_ddp_checkpoint_file_resumes_in_a_zero_run(root, strategy):
         assert_close_params(zero[r]["params"], ddp[r]["params"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_consolidated_file_equals_ddps_state_and_loads_anywhere(root, tmp_path):
     out, zero = run(root, "zero3")
     _, ddp = run(root, "ddp")

@@ -11,7 +11,9 @@ second epoch only. Each rank writes what it saw to OUT/rank{r}.pt.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 
 import lightning as L
 import torch
@@ -67,8 +69,19 @@ def main() -> None:
     parser.add_argument("--strategy", required=True, choices=["ddp", "zero1", "zero2", "zero3"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", default=None, help="a checkpoint to start the second epoch from")
+    parser.add_argument("--cases", help="JSON: case name -> extra arguments, run in turn; each writes OUT/<case>/")
     args = parser.parse_args()
+    if args.cases is None:
+        run(args)
+    else:  # as tests/scripts/lightning_run.py's --cases: a case may resume from an earlier case's checkpoint
+        for name, extra in json.loads(args.cases).items():
+            case = parser.parse_args([*sys.argv[1:], *extra])
+            case.out = os.path.join(args.out, name)
+            run(case)
+    torch.distributed.destroy_process_group()
 
+
+def run(args: argparse.Namespace) -> None:
     L.seed_everything(0)
     model = TinyLM()
     tokens = torch.randint(0, VOCAB, (32, SEQ + 1), generator=torch.Generator().manual_seed(1))
@@ -82,12 +95,12 @@ def main() -> None:
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(tokens, batch_size=4), ckpt_path=args.resume)
     state = trainer.strategy.full_state_dict() if args.strategy != "ddp" else trainer.strategy.lightning_module_state_dict()
+    os.makedirs(args.out, exist_ok=True)
     torch.save({"losses": model.losses, "params": state, "best": callbacks[1].best_model_path,
                 "scheduler_on": trainer.lr_scheduler_configs[0].scheduler.optimizer is trainer.optimizers[0],
                 "optimizer_name": type(trainer.lr_scheduler_configs[0].scheduler.optimizer).__name__,
                 "optim": trainer.optimizers[0].state_dict()},
                os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
