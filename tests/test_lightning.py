@@ -3,11 +3,11 @@ seed and data: fit with validation, then validate, test and predict, a torchmetr
 StepLR scheduler stepped by Lightning, a frozen layer, two param groups.
 
 [Note: one launch per strategy]
-Starting Lightning in two processes costs more than the runs themselves, so each strategy is
-launched once, running every case its tests need one after another in the same processes (see
-tests/scripts/lightning_run.py's ``--cases``), and DDP once for all the references; each test reads
-its case. A case starts from ``seed_everything(0)`` with a new Trainer and model, as a separate
-launch did, so the assertions are those of separate runs.
+Starting Lightning in two processes costs more than the runs themselves, so the ZeRO strategies'
+runs are launched once, every case of every strategy one after another in the same processes (see
+tests/scripts/lightning_run.py's ``--cases``; a case names its strategy), and DDP once for all the
+references; each test reads its case. A case starts from ``seed_everything(0)`` with a new Trainer
+and model, as a separate launch did, so the assertions are those of separate runs.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ ZERO_CASES = {  # what each strategy's tests read
     "zero_stage_2": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16"),
     "zero3-linear": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "meta"),
     "zero_stage_3": ("manual",),
+    "zero_stage_3_offload": ("plain",),  # test_offload.py's
 }
 
 
@@ -83,8 +84,16 @@ def ddp_run(tmp_root: str, *extra: str, strategy: str = "ddp") -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
+def _all_zero_runs(tmp_root: str) -> dict[str, list[dict]]:
+    cases = {f"{strategy}__{name}": (*CASES[name], "--strategy", strategy)
+             for strategy, names in ZERO_CASES.items() for name in names}
+    return launch_cases(Path(tmp_root) / "zero", "zero_stage_2", cases)
+
+
 def zero_runs(tmp_root: str, strategy: str) -> dict[str, list[dict]]:
-    return launch_cases(Path(tmp_root) / strategy, strategy, {name: CASES[name] for name in ZERO_CASES[strategy]})
+    """``strategy``'s cases (every zero strategy's cases run in one launch: see the Note above)."""
+    runs = _all_zero_runs(tmp_root)
+    return {name: runs[f"{strategy}__{name}"] for name in ZERO_CASES[strategy]}
 
 
 def assert_same_run(zero: list[dict], ddp: tuple) -> None:

@@ -194,11 +194,11 @@ def test_estimate_places_offloaded_bytes():
 
 @pytest.mark.timeout(900)  # may wait for DDP's launch of every case test_lightning.py needs
 @pytest.mark.parametrize("strategy", ["zero_stage_3_offload"])  # optimizer and parameter offload; ~40 s
-def test_registered_offload_strategies_match_ddp_through_the_trainer(tmp_path, tmp_root, strategy):
+def test_registered_offload_strategies_match_ddp_through_the_trainer(tmp_root, strategy):
     # tests/scripts/lightning_run.py: fit with validation, a scheduler, a frozen layer, two param groups
-    from .test_lightning import assert_same_run, ddp_run, launch
+    from .test_lightning import assert_same_run, ddp_run, zero_runs
 
-    zero = launch(tmp_path / "zero", strategy)
+    zero = zero_runs(tmp_root, strategy)["plain"]  # from test_lightning.py's one launch of every ZeRO case
     assert all(z["memory"]["host"] > 0 for z in zero)
     assert_same_run(zero, ddp_run(tmp_root))  # the DDP launch test_lightning.py's tests share
 
