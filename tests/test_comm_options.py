@@ -159,3 +159,7 @@ def test_zero_estimate_prints_the_models_bytes_for_every_variant(capsys):
         assert f"{row['seconds'] * 1e3:,.2f}" in line
     assert zero_estimate(["world_size=8", "comm.devices_per_node=3"]) == 2
     assert "comm.devices_per_node=3 must be a positive integer dividing world_size=8" in capsys.readouterr().err
+    # a stage-3 option in the configured strategy is read with its stage, not against the default stage 2
+    assert zero_estimate(["world_size=4", "strategy=zero3", "strategy.quantized_weights=true",
+                          "model.net.n_layer=2"]) == 0
+    assert "ZeRO-3 + qwZ" in capsys.readouterr().out

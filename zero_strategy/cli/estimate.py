@@ -29,6 +29,7 @@ from rich.table import Table
 
 from ..comm_model import DEFAULT_CLUSTER, Links, links, variant_rows
 from ..config import ZeroConfig
+from ..frontend.options import engine_arguments
 from ..memory import PRECISION_DTYPES, estimate_memory, normalize_precision
 from .configs import config_dir, register_resolvers
 from .errors import explain_failure
@@ -80,8 +81,7 @@ def engine_settings(strategy_cfg: DictConfig) -> ZeroConfig:
     if "zero" not in str(strategy_cfg.get("_target_", "")).lower():
         return ZeroConfig()
     given = OmegaConf.to_container(strategy_cfg, resolve=True)
-    fields = set(ZeroConfig.__dataclass_fields__) - {"stage"}
-    return ZeroConfig(**{k: v for k, v in given.items() if k in fields})  # type: ignore[union-attr]
+    return ZeroConfig(**engine_arguments(given))  # type: ignore[arg-type]  # the stage too: see variant_rows
 
 
 def comm_layout(comm_cfg: Any, trainer_cfg: DictConfig, world_size: int) -> tuple[int, Links]:
