@@ -245,7 +245,7 @@ class ShardedGroup(FlatGroup):
         own = torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments])
         self.offload_shard = offload_shard
         self.shard: torch.Tensor = host_copy(own, self.dtype, self.device) if offload_shard else own
-        self.secondary: list[torch.Tensor] = []  # per segment: see [Note: secondary partition]
+        self.secondary: dict[int, torch.Tensor] = {}  # segment index -> part: see [Note: secondary partition]
         self.secondary_spec: Optional[QuantSpec] = None  # how the secondary parts are stored
         self.quantized = False  # the full buffer holds dequantized weights: see [Note: quantized gathers]
         self._make_master(own, self.shard)
@@ -256,7 +256,7 @@ class ShardedGroup(FlatGroup):
         return self.shard_slice(self.shard, piece)
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return [self.shard, *self.secondary] + ([self.buffer] if self.buffer is not None else [])
+        return [self.shard, *self.secondary.values()] + ([self.buffer] if self.buffer is not None else [])
 
     def _allocate(self) -> torch.Tensor:
         self._full.untyped_storage().resize_(self.layout.numel * self._full.element_size())
@@ -275,44 +275,45 @@ class ShardedGroup(FlatGroup):
             return []
         buffer = self._allocate()
         self.quantized = quantize is not None
-        self.secondary_spec = quantize if keep_secondary is not None else self.secondary_spec
-        keep = [] if keep_secondary is None else self.secondary
-        keep.clear()
-        k, index = (keep_secondary.world_size, keep_secondary.rank) if keep_secondary is not None else (1, 0)
+        if keep_secondary is not None:
+            self.secondary, self.secondary_spec = {}, quantize
         n = self.layout.world_size
         shard = self.shard.to(self.device, non_blocking=True)  # a host shard goes to the device first
         pending = []
-        for seg in self.segments:
+        for si, seg in enumerate(self.segments):
             out, own = self.segment_of(buffer, seg), self.segment_shard(shard, seg)
             if quantize is None:
                 p = comm.all_gather(out, own, what)
-                if keep_secondary is not None:
-                    part = seg.numel // k
-                    p = after(p, lambda out=out, part=part: keep.append(out[index * part : (index + 1) * part].clone()))
+                stored = out  # what the secondary part is cut from: the segment's elements
             else:
                 rows = torch.empty((n, packed_row_bytes(seg.shard_numel, quantize)), dtype=torch.uint8,
                                    device=self.device)
                 p = comm.all_gather(rows.view(-1), quantize_rows(own.view(1, -1), quantize).view(-1), what)
-
-                def unpack(out=out, rows=rows, seg=seg) -> None:
-                    dequantize_into(rows, seg.shard_numel, quantize, out.view(n, -1))
-                    if keep_secondary is not None:
-                        keep.append(rows[index * (n // k) : (index + 1) * (n // k)].clone())
-                p = after(p, unpack)
+                p = after(p, lambda out=out, rows=rows, seg=seg: dequantize_into(rows, seg.shard_numel, quantize,
+                                                                                 out.view(n, -1)))
+                stored = rows  # its packed rows, so that backward rebuilds the forward's very weights
+            if keep_secondary is not None:
+                p = after(p, lambda si=si, stored=stored: self._keep_part(si, stored, keep_secondary))
             pending.append(p)
         return pending
+
+    def _keep_part(self, si: int, stored: torch.Tensor, group: Collectives) -> None:
+        """Keep this rank's K-th of segment ``si``'s elements or packed rows (K: ``group``'s ranks)."""
+        part = stored.shape[0] // group.world_size
+        self.secondary[si] = stored[group.rank * part : (group.rank + 1) * part].clone()
 
     def gather_secondary(self, comm: Collectives, what: Describe) -> list[Pending]:
         """Start all-gathering the full buffer from the secondary parts over ``comm``, the group they
         were kept over (see [Note: secondary partition])."""
         if self.buffer is not None:
             return []
-        assert len(self.secondary) == len(self.segments), "no secondary partition was kept"
+        assert self.has_secondary, "no secondary partition was kept"
         buffer = self._allocate()
         spec, n = self.secondary_spec, self.layout.world_size
         self.quantized = spec is not None
         pending = []
-        for seg, part in zip(self.segments, self.secondary):
+        for si, seg in enumerate(self.segments):
+            part = self.secondary[si]
             out = self.segment_of(buffer, seg)
             if spec is None:
                 pending.append(comm.all_gather(out, part, what))
@@ -325,7 +326,7 @@ class ShardedGroup(FlatGroup):
 
     @property
     def has_secondary(self) -> bool:
-        return bool(self.secondary)
+        return len(self.secondary) == len(self.segments) > 0
 
     def drop_secondary(self) -> None:
         self.secondary.clear()
