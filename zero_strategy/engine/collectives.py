@@ -24,6 +24,7 @@ ranks with local index l, one per node, which completes each shard. Rounding hap
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -176,9 +177,11 @@ class Collectives:
                              f"two nodes. Use a divisor of {per_node}.")
         return self.consecutive(size)
 
+    @functools.cached_property
     def hierarchy(self) -> Optional[tuple["Collectives", "Collectives"]]:
         """(this rank's node, the ranks with this rank's local index: one per node), when the world
-        has several nodes of several ranks; None otherwise (or for a group smaller than the world)."""
+        has several nodes of several ranks; None otherwise (or for a group smaller than the world).
+        Made on first use, which every rank must reach at the same point (see ``split``)."""
         per_node, nodes = self.nodes.ranks_per_node, self.nodes.num_nodes
         if self.world_size != self.nodes.world_size or per_node == 1 or nodes == 1:
             return None
@@ -216,7 +219,7 @@ class Collectives:
         if n == 1:
             return self.reduce_scatter(output, input, what)
         shard = input.numel() // n
-        hierarchy = self.hierarchy()
+        hierarchy = self.hierarchy
         if hierarchy is None:
             packed = quantize_rows(input.view(n, shard), spec, noise=noise)  # (n, row bytes): chunk j for rank j
             return self._all_to_all_packed(packed, "reduce_scatter", what,

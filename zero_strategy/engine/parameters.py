@@ -184,7 +184,7 @@ class ParameterSharder:
         size = config.secondary_partition_size if config.stage == 3 else None  # see [Note: secondary partition]
         self.secondary = comm.within_node(size, "secondary_partition_size") if size is not None else None
         if config.gradient_quantization is not None:
-            comm.hierarchy()  # its process groups, now, at the same point on every rank
+            comm.hierarchy  # its process groups, now, at the same point on every rank
         self._handles = []
         if config.stage == 3:
             assert self.module is not None
