@@ -100,7 +100,7 @@ class GradientReducer:
         self._rounding: Optional[torch.Generator] = None  # for quantized_gradients: see _reduce_scatter
         if any(g.reduce_quantization is not None for g in self.groups):
             self._rounding = torch.Generator(self.groups[0].device)
-            self._rounding.manual_seed(ROUNDING_SEED + (dist.get_rank() if dist.is_initialized() else 0))
+            self._rounding.manual_seed(ROUNDING_SEED + self.comm.rank)
         self.received = [[False] * len(g.params) for g in self.groups]
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, gi, i))

@@ -237,10 +237,11 @@ def grad_norm_and_overflow(tensors: Sequence[torch.Tensor], norm_type: float = 2
 # cuda/quantize.cu when the kernels take the tensors, and return False (having done nothing) when
 # they do not, so the caller runs the reference.
 
-def _quant_shape(packed: torch.Tensor, numel: int, block: int, codes_len: int) -> tuple:
+def _packed_shape(packed: torch.Tensor, numel: int, block: int, codes_len: int) -> tuple:
+    """The (rows, numel, block, row bytes, codes bytes) arguments the dequantizing kernels start with."""
     np = _np()
     rows, row_bytes = packed.shape
-    return np, (np.int64(rows), np.int64(numel), np.int64(block), np.int64(row_bytes), np.int64(codes_len))
+    return np.int64(rows), np.int64(numel), np.int64(block), np.int64(row_bytes), np.int64(codes_len)
 
 
 @torch.no_grad()
@@ -254,7 +255,7 @@ def quantize_rows(x: torch.Tensor, bits: int, block: int, out: torch.Tensor, cod
         return False
     rows, numel = x.shape
     nblocks, qmax, name = -(-numel // block), 2 ** (bits - 1) - 1, CUDA_TYPE_NAMES[x.dtype]
-    np, _ = _quant_shape(out, numel, block, codes_len)
+    np = _np()
     row_bytes, device = out.shape[1], x.device
     launch("quantize", f"quant_scales<{name}>", device, rows * nblocks, THREADS, (
         np.uint64(x.data_ptr()), np.int64(numel), np.int64(block), np.int64(nblocks), np.int32(qmax),
@@ -274,7 +275,7 @@ def dequantize_rows(packed: torch.Tensor, numel: int, bits: int, block: int, cod
     if out.dim() != 2 or out.stride(1) != 1 or not _kernels_take(packed, [([packed], (torch.uint8,)),
                                                                            ([out.select(0, 0)], tuple(CUDA_TYPE_NAMES))]):
         return False
-    np, shape = _quant_shape(packed, numel, block, codes_len)
+    np, shape = _np(), _packed_shape(packed, numel, block, codes_len)
     grid = -(-packed.shape[0] * numel // THREADS)
     launch("quantize", f"dequant_rows<{CUDA_TYPE_NAMES[out.dtype]}, {bits}>", packed.device, grid, THREADS, (
         np.uint64(packed.data_ptr()), *shape, np.uint64(out.data_ptr()), np.int64(out.stride(0))))
@@ -287,7 +288,7 @@ def dequantize_sum(packed: torch.Tensor, numel: int, bits: int, block: int, code
     """``out`` (``numel`` fp32) = the sum over rows of ``packed``'s values, in fp32, row 0 first."""
     if not _kernels_take(packed, [([packed], (torch.uint8,)), ([out], (torch.float32,))]):
         return False
-    np, shape = _quant_shape(packed, numel, block, codes_len)
+    np, shape = _np(), _packed_shape(packed, numel, block, codes_len)
     launch("quantize", f"dequant_sum<{bits}>", packed.device, -(-numel // THREADS), THREADS, (
         np.uint64(packed.data_ptr()), *shape, np.uint64(out.data_ptr())))
     return True
