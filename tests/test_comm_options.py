@@ -163,3 +163,12 @@ def test_zero_estimate_prints_the_models_bytes_for_every_variant(capsys):
     assert zero_estimate(["world_size=4", "strategy=zero3", "strategy.quantized_weights=true",
                           "model.net.n_layer=2"]) == 0
     assert "ZeRO-3 + qwZ" in capsys.readouterr().out
+
+
+def test_the_apps_comm_stats_callback_refuses_an_unknown_key_at_construction():
+    pytest.importorskip("lightning")
+    from zero_strategy.cli.callbacks import CommStats
+
+    assert CommStats(["total", "inter_node"]).keys == ("total", "inter_node")
+    with pytest.raises(ValueError, match=r"\['inter_nodes'\] are not keys of comm_stats\(\); choose among"):
+        CommStats(["total", "inter_nodes"])

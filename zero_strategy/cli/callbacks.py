@@ -85,6 +85,12 @@ class CommStats(Callback):
 
     def __init__(self, keys: Sequence[str] = ("total", "inter_node", "all_gather", "reduce_scatter")) -> None:
         super().__init__()
+        from ..engine.comm_volume import empty_stats
+
+        known = list(empty_stats())
+        unknown = [key for key in keys if key not in known]
+        if unknown:
+            raise ValueError(f"callbacks.comm_stats.keys: {unknown} are not keys of comm_stats(); choose among {known}.")
         self.keys = tuple(keys)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
