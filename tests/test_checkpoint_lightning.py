@@ -5,7 +5,6 @@ into a ZeRO run. Against Lightning's DDP on the same seed and data (tests/script
 from __future__ import annotations
 
 import functools
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 from zero_strategy import consolidate_checkpoint
 from zero_strategy.checkpoint import is_sharded_checkpoint
 
-from .test_lightning import launch
+from .test_lightning import launch_cases
 
 SCRIPT = Path(__file__).parent / "scripts" / "checkpoint_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -42,10 +41,7 @@ def _cases(root: Path) -> dict[str, tuple[str, ...]]:
 @functools.lru_cache(maxsize=None)
 def _all_runs(root: Path) -> dict[str, list[dict]]:
     """One launch running every case in turn (see [Note: one launch per strategy] in test_lightning.py)."""
-    out, cases = root / "all", _cases(root)
-    launch(out, "ddp", "--cases", json.dumps({name: list(args) for name, args in cases.items()}), script=SCRIPT,
-           timeout=120 + 60 * len(cases))
-    return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=True) for r in range(2)] for name in cases}
+    return launch_cases(root / "all", "ddp", _cases(root), script=SCRIPT)
 
 
 def run(root: Path, strategy: str, resume: str = "") -> tuple[Path, list[dict]]:

@@ -25,8 +25,8 @@ import torch
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
 
 
-def launch(out: Path, strategy: str, *extra: str, script: Path = SCRIPT, timeout: int = 240) -> list[dict]:
-    """Run the script as a user would (Lightning's popen launcher starts rank 1 itself)."""
+def run_script(out: Path, strategy: str, *extra: str, script: Path = SCRIPT, timeout: int = 240) -> None:
+    """Run the script as a user would (Lightning's popen launcher starts rank 1 itself); it must succeed."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -34,16 +34,25 @@ def launch(out: Path, strategy: str, *extra: str, script: Path = SCRIPT, timeout
     proc = subprocess.run([sys.executable, str(script), "--strategy", strategy, "--out", str(out), *extra],
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    if "--cases" in extra:
-        return []
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-def launch_cases(out: Path, strategy: str, cases: dict[str, tuple[str, ...]]) -> dict[str, list[dict]]:
+def results(folder: Path) -> list[dict]:
+    """What each of the 2 ranks saved in ``folder``."""
+    return [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def launch(out: Path, strategy: str, *extra: str, script: Path = SCRIPT) -> list[dict]:
+    """One run of the script: each rank's results."""
+    run_script(out, strategy, *extra, script=script)
+    return results(out)
+
+
+def launch_cases(out: Path, strategy: str, cases: dict[str, tuple[str, ...]], script: Path = SCRIPT
+                 ) -> dict[str, list[dict]]:
     """Every case in one launch (see [Note: one launch per strategy]): case name -> each rank's results."""
-    launch(out, strategy, "--cases", json.dumps({name: list(args) for name, args in cases.items()}),
-           timeout=120 + 60 * len(cases))
-    return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=True) for r in range(2)] for name in cases}
+    run_script(out, strategy, "--cases", json.dumps({name: list(args) for name, args in cases.items()}),
+               script=script, timeout=120 + 60 * len(cases))
+    return {name: results(out / name) for name in cases}
 
 
 CASES: dict[str, tuple[str, ...]] = {
