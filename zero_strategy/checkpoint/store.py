@@ -21,8 +21,11 @@ not the layout that wrote them: any world size and stage reads exactly the range
 (``CheckpointReader.read``), and safetensors reads them without loading the rest of the file.
 
 [Note: checksums]
-Each rank hashes every part (safetensors key) of its file while it writes it (xxh3 in a thread,
-beside safetensors' write: both release the GIL, so the hash hides behind the write), and rank 0 the bytes
+Each rank hashes every part (safetensors key) of its file as it copies the part out of the
+engine's buffers, a few megabytes at a time, so the hash reads each chunk from the cache the copy
+has just written it into instead of making a second pass over memory. A thread hashing beside
+safetensors' write cost more with 2 ranks on 2 cores, where no core is free for it (figures in
+benchmarks/RESULTS.md, "Checksummed checkpoints"). Rank 0 hashes the bytes
 of trainer_state.pt; the index records them (``files[f]["checksums"][key]``,
 ``trainer_state["checksum"]``). A part is the grain because it is what a reader reads anyway: a
 rank that loads at another world size reads whole parts, never whole files, so it checks exactly
@@ -52,12 +55,12 @@ import json
 import os
 import shutil
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -91,6 +94,29 @@ def _bytes_of(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
+# Bytes copied (and hashed) at a time by RankWriter.add: small enough that the hash reads the chunk
+# from the cache the copy just wrote it into, large enough that the Python loop costs nothing
+# (576 MiB alone on this machine: the copy 0.048 s; copy and hash in chunks of 64 KiB 0.146 s, 256 KiB
+# 0.083, 1 MiB 0.068, 4 MiB 0.063; the hash after the whole copy 0.071).
+_HASH_CHUNK_BYTES = 4 << 20
+
+
+def _copy_and_hash(values: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """A flat contiguous CPU copy of ``values``, and its checksum, hashed a chunk at a time right
+    after the chunk is copied, so the hash costs no second pass over memory (see [Note: checksums])."""
+    flat = values.detach().reshape(-1)
+    if flat.device.type != "cpu":  # one device-to-host copy; the hash then reads host memory
+        flat = flat.to("cpu")
+    out = torch.empty_like(flat, device="cpu")
+    step = max(1, _HASH_CHUNK_BYTES // out.element_size())
+    hasher = xxhash.xxh3_64()
+    for a in range(0, out.numel(), step):
+        chunk = out[a:a + step]
+        chunk.copy_(flat[a:a + step])
+        hasher.update(_bytes_of(chunk))
+    return out, hasher.hexdigest()
+
+
 class RankWriter:
     """Collects one rank's ranges of named tensors and writes them as one safetensors file."""
 
@@ -99,26 +125,24 @@ class RankWriter:
         self.with_checksums = with_checksums
         self.tensors: dict[str, torch.Tensor] = {}
         self.parts: list[Part] = []
-        self.checksums: dict[str, str] = {}  # key -> checksum, filled by write()
+        self.checksums: dict[str, str] = {}  # key -> checksum of the part's bytes
 
     def add(self, name: str, values: torch.Tensor, start: int = 0) -> None:
-        """Store ``values`` (any shape; flattened) as elements ``start...`` of tensor ``name``."""
+        """Store a copy of ``values`` (any shape; flattened) as elements ``start...`` of tensor
+        ``name``, hashing it as it is copied (see [Note: checksums])."""
         if values.numel() == 0:
             return
         key = f"{name}@{start}"
-        self.tensors[key] = values.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        if self.with_checksums:
+            self.tensors[key], self.checksums[key] = _copy_and_hash(values)
+        else:
+            self.tensors[key] = values.detach().reshape(-1).to("cpu", copy=True).contiguous()
         self.parts.append(Part(name, start, start + values.numel(), self.file, key))
 
     def write(self, folder: Path) -> int:
-        """Write the file (an empty one when the rank owns nothing) and hash its parts (see [Note:
-        checksums]); returns its size in bytes."""
+        """Write the file (an empty one when the rank owns nothing); returns its size in bytes."""
         target = folder / self.file
-        with ThreadPoolExecutor(1) as pool:  # hash while safetensors writes: both only read the tensors
-            hashed = pool.submit(lambda: {key: checksum(_bytes_of(t)) for key, t in self.tensors.items()}) \
-                if self.with_checksums else None
-            save_file(self.tensors, str(target), metadata={"format": FORMAT})
-            if hashed is not None:
-                self.checksums = hashed.result()
+        save_file(self.tensors, str(target), metadata={"format": FORMAT})
         follow_umask(target)
         return target.stat().st_size
 
