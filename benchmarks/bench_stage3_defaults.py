@@ -1,18 +1,33 @@
 """Stage 3 with nothing but its defaults, as users meet it, against DDP and torch FSDP2 (2 gloo ranks).
 
-    python benchmarks/bench_stage3_defaults.py [--models mlp,gpt2,bert] [--steps 4] [--guard-steps 16]
+    python benchmarks/bench_stage3_defaults.py [--models mlp,gpt2,bert] [--steps 16] [--guard-steps 16]
+                                               [--malloc glibc,mmap]
 
 For each model (the 8-block 1024-4096-1024 MLP of 67.1M parameters, transformers' GPT-2 small and
 BERT-base built from their default configs, random init) and each variant, a fresh pair of
 processes builds the model (seed 0), trains ``--steps`` steps of fp32 AdamW on the same batches,
 and reports per rank: the process's peak resident memory (VmHWM, imports and model init included),
-the same over the resident memory before the model was built, the median step time, and for ZeRO-3
-``memory_stats()`` against the formula 16 bytes x parameters / N. Variants:
+the same over the resident memory before the model was built, the resident memory after the first
+and the last step, the median step time, and for ZeRO-3 ``memory_stats()`` against the formula 16
+bytes x parameters / N. Variants:
 
 - ``ddp``: torch DistributedDataParallel;
 - ``zero3``: ``ZeroConfig(stage=3)`` with no other option, the engine ``Trainer(strategy="zero_stage_3")``
   runs (units chosen by size: see [Note: default units] in zero_strategy/engine/unit_plan.py);
 - ``fsdp2``: ``fully_shard`` on each block (the MLP's blocks, GPT2Block, BertLayer) and the root.
+
+[Note: resident memory on glibc]
+glibc's malloc keeps freed memory in its heap and hands it out again, and for blocks it once
+served with mmap it raises the size above which it uses mmap (up to 32 MiB). A variant whose step
+allocates and frees large buffers in a changing order (stage 3's gathered units, gradients staged
+for the reduce-scatter, each op's outputs) fragments that heap, and its resident memory grows over
+the first tens of steps although the bytes in use do not: a run of 4 steps shows less than a run
+of 20. So the steps default to 16, the resident memory after the first and last step is printed,
+and ``--malloc mmap`` runs every variant also with ``MALLOC_MMAP_THRESHOLD_=131072`` (blocks from
+128 KiB go to mmap and back to the system when freed: the resident memory is the bytes in use,
+and every large allocation costs fresh pages, which the step time shows); ``--malloc thp`` sets
+``THP_MEM_ALLOC_ENABLE=1`` instead, with which torch allocates blocks of 2 MiB and more aligned to
+2 MiB and asks for transparent huge pages for them (fewer, larger page faults).
 
 The losses of the first steps are compared with DDP's. Then the ZeRO-3 processes time the order
 guard ([Note: order guard]): ``--guard-steps`` more steps with every pass checked and with none, in
@@ -125,9 +140,12 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, model_name: 
         losses.append(loss.item())
         return time.perf_counter() - start
 
+    rss_after = []
     for i in range(args.steps):
         times.append(step(i))
+        rss_after.append(_kib("VmRSS"))
     result = {"peak_rss": _kib("VmHWM"), "peak_over_baseline": _kib("VmHWM") - baseline, "step_s": times,
+              "rss_first": rss_after[0], "rss_last": rss_after[-1],
               "losses": losses[: args.steps], "params": numel}
     if sharder is not None:
         stats = memory_stats(model, [opt])
@@ -155,18 +173,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(args: argparse.Namespace, model_name: str, variant: str) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result")
-        mp.start_processes(run, args=(2, _free_port(), args, model_name, variant, out), nprocs=2,
-                           start_method="spawn")
-        return [json.load(open(f"{out}.{r}")) for r in range(2)]
+MALLOC_ENV = {"glibc": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "thp": {"THP_MEM_ALLOC_ENABLE": "1"}}
+"""What each ``--malloc`` choice sets in the ranks' environment (read by glibc when they start)."""
+
+
+def measure(args: argparse.Namespace, model_name: str, variant: str, malloc: str = "glibc") -> list[dict]:
+    saved = dict(os.environ)
+    os.environ.update(MALLOC_ENV[malloc])  # spawned ranks start with this environment
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result")
+            mp.start_processes(run, args=(2, _free_port(), args, model_name, variant, out), nprocs=2,
+                               start_method="spawn")
+            return [json.load(open(f"{out}.{r}")) for r in range(2)]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mlp,gpt2,bert")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=16, help="see [Note: resident memory on glibc]")
+    parser.add_argument("--malloc", default="glibc", help="comma-separated: glibc (as it comes), mmap "
+                        "(MALLOC_MMAP_THRESHOLD_=131072), thp (THP_MEM_ALLOC_ENABLE=1: torch allocates blocks from "
+                        "2 MiB aligned, as transparent huge pages); see [Note: resident memory on glibc]")
     parser.add_argument("--guard-steps", type=int, default=16, help="steps timing the order guard (on/off in turn)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64, help="tokens per sample (GPT-2, BERT)")
@@ -177,23 +208,28 @@ def main(argv=None) -> None:
     print(f"2 gloo ranks, 1 thread each, fp32 AdamW, batch {args.batch} (x {args.seq} tokens for GPT-2/BERT), "
           f"{args.steps} steps; torch {torch.__version__}")
     for model_name in args.models.split(","):
-        results = {v: measure(args, model_name, v) for v in VARIANTS}
-        ddp = results["ddp"]
-        print(f"\n{model_name}: {ddp[0]['params'] / 1e6:.1f}M parameters")
-        print(f"{'variant':8} {'peak RSS/rank':>14} {'vs DDP':>7} {'over baseline':>14} {'vs DDP':>7} "
-              f"{'step':>8} {'max |loss - DDP|':>17}")
-        for variant, ranks in results.items():
-            peak = max(r["peak_rss"] for r in ranks)
-            over = max(r["peak_over_baseline"] for r in ranks)
-            step = statistics.median(t for r in ranks for t in r["step_s"][1:] or r["step_s"])
-            diff = max(abs(a - b) for r, d in zip(ranks, ddp) for a, b in zip(r["losses"], d["losses"]))
-            print(f"{variant:8} {peak / 2**20:11.0f} MiB {peak / max(x['peak_rss'] for x in ddp):6.2f}x "
-                  f"{over / 2**20:11.0f} MiB {over / max(x['peak_over_baseline'] for x in ddp):6.2f}x "
-                  f"{step:7.3f}s {diff:17.2e}")
+        for malloc in args.malloc.split(","):
+            results = {v: measure(args, model_name, v, malloc) for v in VARIANTS}
+            ddp = results["ddp"]
+            print(f"\n{model_name}: {ddp[0]['params'] / 1e6:.1f}M parameters, malloc: {malloc} "
+                  f"{MALLOC_ENV[malloc] or '(as it comes)'}")
+            print(f"{'variant':8} {'peak RSS/rank':>14} {'vs DDP':>7} {'over baseline':>14} {'vs DDP':>7} "
+                  f"{'RSS after step 1':>17} {'after last':>11} {'step':>8} {'max |loss - DDP|':>17}")
+            for variant, ranks in results.items():
+                peak = max(r["peak_rss"] for r in ranks)
+                over = max(r["peak_over_baseline"] for r in ranks)
+                step = statistics.median(t for r in ranks for t in r["step_s"][1:] or r["step_s"])
+                diff = max(abs(a - b) for r, d in zip(ranks, ddp) for a, b in zip(r["losses"], d["losses"]))
+                print(f"{variant:8} {peak / 2**20:11.0f} MiB {peak / max(x['peak_rss'] for x in ddp):6.2f}x "
+                      f"{over / 2**20:11.0f} MiB {over / max(x['peak_over_baseline'] for x in ddp):6.2f}x "
+                      f"{max(r['rss_first'] for r in ranks) / 2**20:13.0f} MiB "
+                      f"{max(r['rss_last'] for r in ranks) / 2**20:7.0f} MiB {step:7.3f}s {diff:17.2e}")
         z = results["zero3"][0]
         print(f"zero3 model state (memory_stats) {z['model_state'] / 2**20:.0f} MiB per rank = "
               f"{z['model_state'] / z['formula']:.3f} x the formula 16 x params / N ({z['formula'] / 2**20:.0f} MiB); "
               f"{z['units']} units, the largest {z['largest_unit'] / 1e6:.2f}M elements")
+        if args.guard_steps < 2:
+            continue
         ratios = [statistics.median(r["guard_on"]) / statistics.median(r["guard_off"]) for r in results["zero3"]]
         every = ZeroConfig().check_unit_order_every
         print("order guard: a checked step's time over an unchecked one's, per rank: "
