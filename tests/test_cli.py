@@ -3,8 +3,12 @@ multirun, a resume, bad command lines, and the estimator's numbers."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +18,7 @@ from zero_strategy.cli.report import format_bytes
 
 from .cli_runs import metric_rows, run, script, summaries, zero_train
 
+CLI_CASES = Path(__file__).parent / "scripts" / "cli_cases.py"
 SMOKE = ("experiment=smoke",)  # a 6-step one-layer GPT: every part of a run, in seconds
 
 
@@ -108,16 +113,49 @@ BAD = {
 }
 
 
-@pytest.mark.timeout(120)
+ESTIMATES = {
+    "gpt": ["model=gpt", "world_size=64"],
+    "gpt2": ["model=gpt2", "world_size=8", "precision=bf16-mixed", "offload=true"],
+    "bad world": ["world_size=0"],
+}
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory) -> dict[str, SimpleNamespace]:
+    """Every command line here that ends before training (the bad overrides, zero-estimate's), one
+    after another in one process (tests/scripts/cli_cases.py: each as its console script would run
+    it): case name -> returncode, stdout, stderr. Each bad override runs in its own folder."""
+    root = tmp_path_factory.mktemp("quick")
+    cases = {**{f"bad: {name}": ["zero-train", *overrides, f"hydra.run.dir={root / name / 'run'}"]
+                for name, (overrides, _) in BAD.items()},
+             **{f"estimate: {name}": ["zero-estimate", *args] for name, args in ESTIMATES.items()}}
+    out = root / "results.json"
+    run([sys.executable, str(CLI_CASES), str(out), json.dumps(list(cases.values()))], root, timeout=300)
+    results = json.loads(out.read_text())
+    return {name: SimpleNamespace(**result, folder=root / name.split(": ", 1)[1])
+            for name, result in zip(cases, results)}
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_overrides_say_what_to_do(tmp_path, case):
-    overrides, expected = BAD[case]
-    proc = zero_train(tmp_path, *overrides, f"hydra.run.dir={tmp_path / 'run'}", check=False)
+def test_bad_overrides_say_what_to_do(quick_runs, case):
+    proc = quick_runs[f"bad: {case}"]
     assert proc.returncode != 0
-    for text in expected:
+    for text in BAD[case][1]:
         assert text in proc.stderr, f"{text!r} not in:\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr  # a typo is not a crash
-    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was launched
+    assert not (proc.folder / "run" / "checkpoints").exists()  # nothing was launched
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["unknown key"])  # Hydra's error, explained by main()
+def test_the_console_script_fails_as_the_shared_process_reports(tmp_path, quick_runs, case):
+    # quick_runs runs the command lines in one process; here the same line runs as the shell runs it
+    overrides, expected = BAD[case]
+    proc = zero_train(tmp_path, *overrides, f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == quick_runs[f"bad: {case}"].returncode != 0
+    for text in expected:
+        assert text in proc.stderr
 
 
 def estimate_cells(stdout: str, stage: int) -> list[str]:
@@ -125,9 +163,10 @@ def estimate_cells(stdout: str, stage: int) -> list[str]:
     return [c.strip() for c in line.strip("│ ").split("│")]
 
 
-@pytest.mark.timeout(120)
-def test_estimate_prints_estimate_memory_for_every_stage(tmp_path):
-    proc = run([script("zero-estimate"), "model=gpt", "world_size=64"], tmp_path)
+@pytest.mark.timeout(300)
+def test_estimate_prints_estimate_memory_for_every_stage(quick_runs):
+    proc = quick_runs["estimate: gpt"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     n = 842_496  # conf/model/gpt.yaml: 4 layers of 128, byte vocabulary, tied embeddings counted once
     assert f"{n:,} parameters, 64 ranks, 32-true" in proc.stdout
     for stage in range(4):
@@ -138,14 +177,14 @@ def test_estimate_prints_estimate_memory_for_every_stage(tmp_path):
     assert estimate_cells(proc.stdout, 2)[0] == "2 *"  # the configured preset is zero2
 
 
-@pytest.mark.timeout(120)
-def test_estimate_transformers_gpt2_matches_own_gpt_and_rejects_bad_world(tmp_path):
+@pytest.mark.timeout(300)
+def test_estimate_transformers_gpt2_matches_own_gpt_and_rejects_bad_world(quick_runs):
     # model=gpt2 (GPT2LMHeadModel) has the same shape as model=gpt: the same count, ties counted once
-    proc = run([script("zero-estimate"), "model=gpt2", "world_size=8", "precision=bf16-mixed", "offload=true"],
-               tmp_path)
+    proc = quick_runs["estimate: gpt2"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "842,496 parameters, 8 ranks, bf16-mixed" in proc.stdout
     est = estimate_memory(842_496, stage=3, world_size=8, precision="bf16-mixed", offload_optimizer=True,
                           offload_params=True)
     assert format_bytes(est["host"]) in proc.stdout and "opt+params" in proc.stdout
-    bad = run([script("zero-estimate"), "world_size=0"], tmp_path, check=False)
+    bad = quick_runs["estimate: bad world"]
     assert bad.returncode == 2 and "world_size=0 must be a positive integer" in bad.stderr
