@@ -22,12 +22,22 @@ CLI_CASES = Path(__file__).parent / "scripts" / "cli_cases.py"
 SMOKE = ("experiment=smoke",)  # a 6-step one-layer GPT: every part of a run, in seconds
 
 
+PRESETS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
+
+
 @pytest.fixture(scope="module")
-def zero2_run(tmp_path_factory):
-    """One ZeRO-2 smoke run shared by the tests that only read its outputs."""
-    root = tmp_path_factory.mktemp("zero2")
-    proc = zero_train(root, *SMOKE, "strategy=zero2", f"hydra.run.dir={root / 'run'}")
-    return root / "run", proc
+def preset_sweep(tmp_path_factory):
+    """One multirun over the strategy presets (the sweep folder, the process), shared by the tests
+    that read its jobs: each job's ranks train in the job's own folder, rank 1 started by
+    Lightning's launcher with its job's strategy, as a run of its own would."""
+    root = tmp_path_factory.mktemp("presets")
+    sweep = root / "sweep"
+    proc = zero_train(root, "-m", *SMOKE, "strategy=" + ",".join(PRESETS), f"hydra.sweep.dir={sweep}", timeout=400)
+    return sweep, proc
+
+
+def job_dir(sweep, strategy: str):
+    return sweep / str(list(PRESETS).index(strategy))
 
 
 def check_finished_run(run_dir, stage: int, steps: int) -> list[dict]:
@@ -56,9 +66,10 @@ def check_finished_run(run_dir, stage: int, steps: int) -> list[dict]:
     return ranks
 
 
-@pytest.mark.timeout(200)
-def test_zero2_preset_and_what_a_run_prints(zero2_run):
-    run_dir, proc = zero2_run
+@pytest.mark.timeout(400)
+def test_zero2_preset_and_what_a_run_prints(preset_sweep):
+    sweep, proc = preset_sweep
+    run_dir = job_dir(sweep, "zero2")
     check_finished_run(run_dir, stage=2, steps=6)
     out = proc.stdout
     for shown in ("zero-train model=gpt data=synthetic strategy=zero2", "Model-state memory per rank",
@@ -67,10 +78,9 @@ def test_zero2_preset_and_what_a_run_prints(zero2_run):
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train_ddp_process_1.log").is_file()
 
 
-@pytest.mark.timeout(200)
-def test_resume_from_last_checkpoint(tmp_path, zero2_run):
-    run_dir, _ = zero2_run
-    ckpt = run_dir / "checkpoints" / "last.ckpt"
+@pytest.mark.timeout(400)
+def test_resume_from_last_checkpoint(tmp_path, preset_sweep):
+    ckpt = job_dir(preset_sweep[0], "zero2") / "checkpoints" / "last.ckpt"
     proc = zero_train(tmp_path, *SMOKE, f"ckpt_path={ckpt}", "trainer.max_steps=9", f"hydra.run.dir={tmp_path / 'r'}")
     assert "Restored all states from the checkpoint" in proc.stderr
     check_finished_run(tmp_path / "r", stage=2, steps=9)
@@ -78,24 +88,18 @@ def test_resume_from_last_checkpoint(tmp_path, zero2_run):
     assert min(logged_steps) >= 6 and max(logged_steps) == 8  # continued from step 6, not from 0
 
 
-PRESETS = {"ddp": 0, "zero1": 1, "zero3": 3, "zero3_offload": 3}  # zero2: the shared run
-
-
 @pytest.mark.timeout(400)
-def test_each_strategy_preset_trains_on_two_processes_in_a_multirun(tmp_path):
-    # one multirun over the presets: each job's ranks train in the job's own folder (rank 1 started
-    # by Lightning's launcher, with its job's strategy), and each preset trains as a run of its own would
-    sweep = tmp_path / "sweep"
-    proc = zero_train(tmp_path, "-m", *SMOKE, "strategy=" + ",".join(PRESETS), f"hydra.sweep.dir={sweep}", timeout=400)
+def test_each_strategy_preset_trains_on_two_processes_in_a_multirun(preset_sweep):
+    sweep, proc = preset_sweep
     for job, (strategy, stage) in enumerate(PRESETS.items()):
-        job_dir = sweep / str(job)
-        assert f"- strategy={strategy}" in (job_dir / ".hydra" / "overrides.yaml").read_text().splitlines()
-        ranks = check_finished_run(job_dir, stage=stage, steps=6)
-        assert (job_dir / "train_ddp_process_1.log").is_file()
+        assert job_dir(sweep, strategy) == sweep / str(job)
+        assert f"- strategy={strategy}" in (sweep / str(job) / ".hydra" / "overrides.yaml").read_text().splitlines()
+        ranks = check_finished_run(sweep / str(job), stage=stage, steps=6)
+        assert (sweep / str(job) / "train_ddp_process_1.log").is_file()
         if strategy == "zero1":  # each rank holds half of Adam's state; DDP holds all of it
             n = ranks[0]["memory"]["num_params"]
             assert ranks[0]["memory"]["formula"]["optimizer_states"] == 8 * n // 2
-    assert not (tmp_path / "outputs").exists(), "a child rank made a run folder of its own"
+    assert not (sweep.parent / "outputs").exists(), "a child rank made a run folder of its own"
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [str(j) for j in range(len(PRESETS))]
     for shown in ("Model-state memory per rank", "Final metrics"):
         assert proc.stdout.count(shown) == len(PRESETS), shown
