@@ -48,7 +48,7 @@ EXAMPLES = {
     # example: (small settings, what it must print)
     "mlp_classifier": (["--max-steps", "60"], r"validation accuracy: (0\.\d+)", 0.3),  # chance 0.1
     "bert_classifier": (["--max-steps", "150"], r"validation accuracy: (0\.\d+)", 0.6),  # chance 0.5
-    "gpt2_lm": (["--max-steps", "30"], r"validation loss: (\d+\.\d+)", None),
+    "gpt2_lm": (["--max-steps", "30", "--seq-len", "64", "--batch-size", "8"], r"validation loss: (\d+\.\d+)", None),
 }
 
 
