@@ -95,7 +95,7 @@ def test_a_failure_a_hang_and_a_death_fail_the_call_and_the_next_call_works():
     second_pool = run_distributed(_pid_and_sum, 2, 0)[0][0]  # started here, so the deadline below is the call's
     assert second_pool != first_pool
     with pytest.raises(RuntimeError, match="(?s)rank 1: no answer by the call's deadline.*_hang_on_rank_1"):
-        run_distributed(_hang_on_rank_1, 2, timeout_s=8)
+        run_distributed(_hang_on_rank_1, 2, timeout_s=3)
     with pytest.raises(RuntimeError, match=r"rank 1:\nthe worker process died \(exit code 3\)"):
         run_distributed(_die_on_rank_1, 2)
     pid, total = run_distributed(_pid_and_sum, 2, 1)[0]
