@@ -16,7 +16,7 @@ from zero_strategy import estimate_memory
 from zero_strategy.checkpoint import is_sharded_checkpoint
 from zero_strategy.cli.report import format_bytes
 
-from .cli_runs import metric_rows, run, script, summaries, zero_train
+from .cli_runs import metric_rows, run, summaries, zero_train
 
 CLI_CASES = Path(__file__).parent / "scripts" / "cli_cases.py"
 SMOKE = ("experiment=smoke",)  # a 6-step one-layer GPT: every part of a run, in seconds

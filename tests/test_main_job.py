@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .cli_runs import run, summaries, zero_train
+from .cli_runs import clean_env, summaries, zero_train
+from .distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,11 +54,29 @@ EXAMPLES = {
 }
 
 
-@pytest.mark.timeout(240)
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every example run at once, each in its own folder: a run spends much of its time importing
+    Lightning and starting its second rank, on one core, which the others' training fills."""
+    procs = {}
+    for example, (args, _, _) in EXAMPLES.items():
+        cmd = [sys.executable, str(ROOT / "examples" / example / "train.py"), *args]
+        env = {**clean_env(), "MASTER_PORT": str(free_port())}  # a port each: the launches start together
+        procs[example] = (cmd, subprocess.Popen(cmd, cwd=tmp_path_factory.mktemp(example), env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = {}
+    for example, (cmd, proc) in procs.items():
+        stdout, stderr = proc.communicate(timeout=400)
+        done[example] = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return done
+
+
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("example", list(EXAMPLES))
-def test_example_runs_on_two_cpu_processes(tmp_path, example):
-    args, pattern, at_least = EXAMPLES[example]
-    proc = run([sys.executable, str(ROOT / "examples" / example / "train.py"), *args], tmp_path)
+def test_example_runs_on_two_cpu_processes(example_runs, example):
+    _, pattern, at_least = EXAMPLES[example]
+    proc = example_runs[example]
+    assert proc.returncode == 0, f"{example} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     value = float(re.search(pattern, proc.stdout).group(1))
     if at_least is not None:
         assert value > at_least, proc.stdout[-2000:]
