@@ -29,21 +29,38 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("case, rank0, rank1", [
+DIVERGING = {
     # rank 1 skips blocks.1 at the third step: rank 0 is in blocks.1 prefetching blocks.2, rank 1
     # already starts blocks.2
-    ("skip", "rank 0: prefetching 'blocks.2' while starting the forward of 'blocks.1'",
-     "rank 1: starting the forward of 'blocks.2' (the unit it ran before: 'blocks.0')"),
+    "skip": ("rank 0: prefetching 'blocks.2' while starting the forward of 'blocks.1'",
+             "rank 1: starting the forward of 'blocks.2' (the unit it ran before: 'blocks.0')"),
     # rank 1 runs blocks.0 twice
-    ("twice", "rank 0: prefetching 'blocks.2' while starting the forward of 'blocks.1'",
-     "rank 1: starting the forward of 'blocks.0' (the unit it ran before: 'blocks.0')"),
-])
-def test_a_rank_running_other_units_stops_every_rank_naming_what_each_ran(case, rank0, rank1):
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(SCRIPT), case], env={**_env(), "MASTER_PORT": str(free_port())},
-                          capture_output=True, text=True, timeout=100)
-    elapsed = time.monotonic() - start
+    "twice": ("rank 0: prefetching 'blocks.2' while starting the forward of 'blocks.1'",
+              "rank 1: starting the forward of 'blocks.0' (the unit it ran before: 'blocks.0')"),
+}
+
+
+@pytest.fixture(scope="module")
+def diverged() -> dict[str, tuple[subprocess.CompletedProcess, float]]:
+    """Both cases at once (each a Lightning fit on 2 processes with a port of its own): case ->
+    (the finished process, seconds until it ended)."""
+    start, procs = time.monotonic(), {}
+    for case in DIVERGING:
+        cmd = [sys.executable, str(SCRIPT), case]
+        procs[case] = (cmd, subprocess.Popen(cmd, env={**_env(), "MASTER_PORT": str(free_port())},
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = {}
+    for case, (cmd, proc) in procs.items():
+        stdout, stderr = proc.communicate(timeout=100)
+        done[case] = (subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), time.monotonic() - start)
+    return done
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(DIVERGING))
+def test_a_rank_running_other_units_stops_every_rank_naming_what_each_ran(diverged, case):
+    rank0, rank1 = DIVERGING[case]
+    proc, elapsed = diverged[case]
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s"
