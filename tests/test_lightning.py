@@ -6,7 +6,7 @@ StepLR scheduler stepped by Lightning, a frozen layer, two param groups.
 Starting Lightning in two processes costs more than the runs themselves, so the ZeRO strategies'
 runs are launched once, every case of every strategy one after another in the same processes (see
 tests/scripts/lightning_run.py's ``--cases``; a case names its strategy), and DDP once for all the
-references; each test reads its case. A case starts from ``seed_everything(0)`` with a new Trainer
+references, the two launches at the same time; each test reads its case. A case starts from ``seed_everything(0)`` with a new Trainer
 and model, as a separate launch did, so the assertions are those of separate runs.
 """
 
@@ -17,10 +17,13 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+
+from .distributed import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
 
@@ -31,6 +34,7 @@ def run_script(out: Path, strategy: str, *extra: str, script: Path = SCRIPT, tim
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
+    env["MASTER_PORT"] = str(free_port())  # a port of its own: launches may run at the same time
     proc = subprocess.run([sys.executable, str(script), "--strategy", strategy, "--out", str(out), *extra],
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -79,8 +83,19 @@ ZERO_CASES = {  # what each strategy's tests read
 
 
 @functools.lru_cache(maxsize=None)
+def _launches(tmp_root: str) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
+    """DDP's references and every ZeRO case, the two launches at once (see [Note: one launch per
+    strategy]): while one imports Lightning, the other trains."""
+    zero_cases = {f"{strategy}__{name}": (*CASES[name], "--strategy", strategy)
+                  for strategy, names in ZERO_CASES.items() for name in names}
+    with ThreadPoolExecutor(2) as pool:
+        ddp = pool.submit(launch_cases, Path(tmp_root) / "ddp", "ddp", DDP_CASES)
+        zero = pool.submit(launch_cases, Path(tmp_root) / "zero", "zero_stage_2", zero_cases)
+        return ddp.result(), zero.result()
+
+
 def ddp_runs(tmp_root: str) -> dict[str, list[dict]]:
-    return launch_cases(Path(tmp_root) / "ddp", "ddp", DDP_CASES)
+    return _launches(tmp_root)[0]
 
 
 def ddp_run(tmp_root: str, *extra: str, strategy: str = "ddp") -> tuple:
@@ -92,16 +107,9 @@ def ddp_run(tmp_root: str, *extra: str, strategy: str = "ddp") -> tuple:
     return tuple(launch(Path(tmp_root) / (strategy + "_".join(extra)), strategy, *extra))
 
 
-@functools.lru_cache(maxsize=None)
-def _all_zero_runs(tmp_root: str) -> dict[str, list[dict]]:
-    cases = {f"{strategy}__{name}": (*CASES[name], "--strategy", strategy)
-             for strategy, names in ZERO_CASES.items() for name in names}
-    return launch_cases(Path(tmp_root) / "zero", "zero_stage_2", cases)
-
-
 def zero_runs(tmp_root: str, strategy: str) -> dict[str, list[dict]]:
     """``strategy``'s cases (every zero strategy's cases run in one launch: see the Note above)."""
-    runs = _all_zero_runs(tmp_root)
+    runs = _launches(tmp_root)[1]
     return {name: runs[f"{strategy}__{name}"] for name in ZERO_CASES[strategy]}
 
 
