@@ -30,6 +30,12 @@ def checksum(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def checksummer() -> Any:
+    """A running ``checksum``: ``update(bytes)`` piece by piece, then ``hexdigest()`` equals
+    ``checksum`` of the pieces joined."""
+    return xxhash.xxh3_64()
+
+
 # torch dtype <-> safetensors' dtype code: the dtypes a checkpoint can hold
 _SAFETENSORS_CODE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

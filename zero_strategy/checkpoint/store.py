@@ -60,14 +60,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .files import follow_umask, write_durably
 from .format import (_SAFETENSORS_CODE, CHECKSUM, DTYPES, FORMAT, INDEX, TRAINER_STATE, CheckpointError,
-                     UnverifiedCheckpointWarning, checksum, is_partial, is_sharded_checkpoint, old_dir, partial_dir,
-                     rank_file)
+                     UnverifiedCheckpointWarning, checksum, checksummer, is_partial, is_sharded_checkpoint, old_dir,
+                     partial_dir, rank_file)
 from .index import validate_index
 
 __all__ = ["CHECKSUM", "CheckpointError", "CheckpointReader", "DTYPES", "FORMAT", "INDEX", "Part", "RankWriter",
@@ -101,20 +100,24 @@ def _bytes_of(tensor: torch.Tensor) -> Any:
 _HASH_CHUNK_BYTES = 4 << 20
 
 
-def _copy_and_hash(values: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """A flat contiguous CPU copy of ``values``, and its checksum, hashed a chunk at a time right
-    after the chunk is copied, so the hash costs no second pass over memory (see [Note: checksums])."""
+def _host_copy(values: torch.Tensor, hasher: Any = None) -> torch.Tensor:
+    """A flat contiguous CPU copy of ``values``, fed to ``hasher`` (a ``checksummer()``) a chunk at a
+    time right after the chunk is copied, so the hash makes no second pass over memory (see [Note:
+    checksums])."""
     flat = values.detach().reshape(-1)
-    if flat.device.type != "cpu":  # one device-to-host copy; the hash then reads host memory
-        flat = flat.to("cpu")
-    out = torch.empty_like(flat, device="cpu")
+    on_host = flat.device.type == "cpu"
+    out = torch.empty_like(flat) if on_host else flat.to("cpu")  # from a device: one copy, then hashed
+    if hasher is None:
+        if on_host:
+            out.copy_(flat)
+        return out
     step = max(1, _HASH_CHUNK_BYTES // out.element_size())
-    hasher = xxhash.xxh3_64()
     for a in range(0, out.numel(), step):
         chunk = out[a:a + step]
-        chunk.copy_(flat[a:a + step])
+        if on_host:
+            chunk.copy_(flat[a:a + step])
         hasher.update(_bytes_of(chunk))
-    return out, hasher.hexdigest()
+    return out
 
 
 class RankWriter:
@@ -133,10 +136,10 @@ class RankWriter:
         if values.numel() == 0:
             return
         key = f"{name}@{start}"
-        if self.with_checksums:
-            self.tensors[key], self.checksums[key] = _copy_and_hash(values)
-        else:
-            self.tensors[key] = values.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        hasher = checksummer() if self.with_checksums else None
+        self.tensors[key] = _host_copy(values, hasher)
+        if hasher is not None:
+            self.checksums[key] = hasher.hexdigest()
         self.parts.append(Part(name, start, start + values.numel(), self.file, key))
 
     def write(self, folder: Path) -> int:
