@@ -123,12 +123,24 @@ def _group_usable(call_id: int, world_size: int) -> bool:
         return False
 
 
+def _next_task(tasks, parent: int):
+    """The next task, or None (stop) once the process that started this worker is gone: a pytest
+    killed without closing its pools must not leave workers waiting for it forever."""
+    while True:
+        try:
+            return tasks.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
 def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: str) -> None:
     """A worker: join the group, then run calls until told to stop (None) or a call raises.
 
     Each call sends two reports: ("result", call, rank, bytes, traceback), then, once every rank
     has checked the group with one all_reduce, ("group", call, rank, usable, None).
     """
+    parent = os.getppid()
     dist_env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.update(dist_env)
     stacks = open(stack_path, "w")  # noqa: SIM115 - faulthandler writes here until the process ends
@@ -139,7 +151,7 @@ def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: st
     except BaseException:  # noqa: BLE001 - shipped to the parent, which re-raises
         reports.put(("result", 0, rank, None, traceback.format_exc()))
         return
-    while (task := tasks.get()) is not None:
+    while (task := _next_task(tasks, parent)) is not None:
         call_id, payload, env, cwd, check_group = task
         stacks.seek(0)
         stacks.truncate()
