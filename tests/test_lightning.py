@@ -6,8 +6,9 @@ StepLR scheduler stepped by Lightning, a frozen layer, two param groups.
 Starting Lightning in two processes costs more than the runs themselves, so the ZeRO strategies'
 runs are launched once, every case of every strategy one after another in the same processes (see
 tests/scripts/lightning_run.py's ``--cases``; a case names its strategy), and DDP once for all the
-references, the two launches at the same time; each test reads its case. A case starts from ``seed_everything(0)`` with a new Trainer
-and model, as a separate launch did, so the assertions are those of separate runs.
+references, the two launches at the same time; each test reads its case. A case starts from
+``seed_everything(0)`` with a new Trainer and model, as a separate launch did, so the assertions
+are those of separate runs.
 """
 
 from __future__ import annotations
