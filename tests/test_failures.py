@@ -17,6 +17,7 @@ import torch
 
 from zero_strategy.engine.watchdog import HANG_EXIT_CODE, SIGTERM_EXIT_CODE
 
+from .cli_runs import run_at_once
 from .distributed import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "diverge_run.py"
@@ -44,16 +45,7 @@ DIVERGING = {
 def diverged() -> dict[str, tuple[subprocess.CompletedProcess, float]]:
     """Both cases at once (each a Lightning fit on 2 processes with a port of its own): case ->
     (the finished process, seconds until it ended)."""
-    start, procs = time.monotonic(), {}
-    for case in DIVERGING:
-        cmd = [sys.executable, str(SCRIPT), case]
-        procs[case] = (cmd, subprocess.Popen(cmd, env={**_env(), "MASTER_PORT": str(free_port())},
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = {}
-    for case, (cmd, proc) in procs.items():
-        stdout, stderr = proc.communicate(timeout=100)
-        done[case] = (subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), time.monotonic() - start)
-    return done
+    return run_at_once({case: ([sys.executable, str(SCRIPT), case], _env(), None) for case in DIVERGING}, timeout=100)
 
 
 @pytest.mark.timeout(120)

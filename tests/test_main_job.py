@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .cli_runs import clean_env, summaries, zero_train
-from .distributed import free_port
+from .cli_runs import clean_env, run_at_once, summaries, zero_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,17 +57,10 @@ EXAMPLES = {
 def example_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """Every example run at once, each in its own folder: a run spends much of its time importing
     Lightning and starting its second rank, on one core, which the others' training fills."""
-    procs = {}
-    for example, (args, _, _) in EXAMPLES.items():
-        cmd = [sys.executable, str(ROOT / "examples" / example / "train.py"), *args]
-        env = {**clean_env(), "MASTER_PORT": str(free_port())}  # a port each: the launches start together
-        procs[example] = (cmd, subprocess.Popen(cmd, cwd=tmp_path_factory.mktemp(example), env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = {}
-    for example, (cmd, proc) in procs.items():
-        stdout, stderr = proc.communicate(timeout=400)
-        done[example] = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    return done
+    runs = run_at_once({example: ([sys.executable, str(ROOT / "examples" / example / "train.py"), *args],
+                                  clean_env(), tmp_path_factory.mktemp(example))
+                        for example, (args, _, _) in EXAMPLES.items()}, timeout=400)
+    return {example: proc for example, (proc, _) in runs.items()}
 
 
 @pytest.mark.timeout(420)

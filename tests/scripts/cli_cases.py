@@ -15,6 +15,7 @@ script does).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -27,8 +28,6 @@ ENTRY_POINTS = {"zero-train": "zero_strategy.cli.train", "zero-estimate": "zero_
 
 
 def run_one(argv: list[str]) -> dict:
-    import importlib
-
     main = importlib.import_module(ENTRY_POINTS[argv[0]]).main
     saved_argv, saved_fds = sys.argv, (os.dup(1), os.dup(2))
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
