@@ -202,6 +202,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64, help="tokens per sample (GPT-2, BERT)")
     args = parser.parse_args(argv)
+    unknown = [m for m in args.malloc.split(",") if m not in MALLOC_ENV]
+    if unknown:
+        parser.error(f"--malloc {','.join(unknown)}: choose among {', '.join(MALLOC_ENV)}, comma-separated")
     from zero_strategy import ZeroConfig
     from zero_strategy.engine.order_guard import FULL_CHECK_PASSES
 
