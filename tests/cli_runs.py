@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 # variables a launcher sets: inherited, they would make zero-train believe it is a launched rank
 LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -39,30 +40,48 @@ def run(cmd: list[str], cwd: Path, timeout: float = 240, check: bool = True) -> 
     return proc
 
 
-def run_at_once(commands: dict[str, tuple[list[str], dict[str, str], Optional[Path]]],
-                timeout: float) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
-    """Start every command (name -> argv, environment, folder) together, each with a MASTER_PORT of
-    its own so that their launches cannot meet; name -> (the finished process, seconds from the start
-    until it was seen finished). Much of a Lightning launch is importing on one core, which the other
-    runs fill. Whatever still runs at the deadline is killed, and the timeout raised."""
+Commands = dict[str, tuple[list[str], dict[str, str], Optional[Path]]]
+"""name -> argv, environment, folder."""
+
+
+@contextlib.contextmanager
+def started(commands: Commands) -> Iterator[dict[str, subprocess.Popen]]:
+    """Start every command together, each with a MASTER_PORT of its own so that their launches
+    cannot meet; name -> the running process. Much of a Lightning launch is importing on one core,
+    which other work fills: run it inside the ``with``, then ``finish``. Whatever still runs when the
+    ``with`` ends is killed."""
     from .distributed import free_port
 
-    start = time.monotonic()
     procs = {name: subprocess.Popen(cmd, cwd=cwd, env={**env, "MASTER_PORT": str(free_port())}, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for name, (cmd, env, cwd) in commands.items()}
     try:
-        done = {}
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=max(1.0, start + timeout - time.monotonic()))
-            done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
-                          time.monotonic() - start)
-        return done
+        yield procs
     finally:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+
+
+def finish(procs: dict[str, subprocess.Popen], start: float, timeout: float
+           ) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
+    """Wait for ``started`` processes until ``timeout`` seconds after ``start`` (a ``time.monotonic()``,
+    raising the timeout past it); name -> (the finished process, seconds from ``start`` until it was
+    seen finished)."""
+    done = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=max(1.0, start + timeout - time.monotonic()))
+        done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+                      time.monotonic() - start)
+    return done
+
+
+def run_at_once(commands: Commands, timeout: float) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
+    """Run every command together (see ``started``) and wait for all (see ``finish``)."""
+    start = time.monotonic()
+    with started(commands) as procs:
+        return finish(procs, start, timeout)
 
 
 def zero_train(cwd: Path, *overrides: str, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -6,11 +6,18 @@ compiled modules] in zero_strategy/engine/parameters.py); each unit's own forwar
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cli_runs import clean_env, finish, started
 from .distributed import run_distributed
 
 
@@ -70,9 +77,29 @@ def _compiled_vs_eager(rank: int, world_size: int) -> dict:
     return out
 
 
+SCRIPT = Path(__file__).parent / "scripts" / "compile_run.py"
+
+
+@functools.lru_cache(maxsize=None)
+def _runs(out: str) -> tuple[dict, dict, subprocess.CompletedProcess]:
+    """Both tests' runs at once: the Trainer's launch (``compile_run.py``, its ranks writing to
+    ``out``) imports Lightning on one core while the pool's ranks compile and train. Returns each
+    pool rank's cases and the launch's finished process."""
+    start = time.monotonic()
+    with started({"trainer": ([sys.executable, str(SCRIPT), "--out", out], clean_env(), None)}) as procs:
+        ranks = run_distributed(_compiled_vs_eager, 2, timeout_s=240)
+        trainer, _ = finish(procs, start, timeout=280)["trainer"]
+    return *ranks, trainer
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict, subprocess.CompletedProcess]:
+    return _runs(str(tmp_path_factory.mktemp("compile")))
+
+
 @pytest.mark.timeout(300)
-def test_compiled_model_trains_as_eager_at_every_stage():
-    for ranks in run_distributed(_compiled_vs_eager, 2):
+def test_compiled_model_trains_as_eager_at_every_stage(runs):
+    for ranks in runs[:2]:
         for name, (eager, compiled, graphs) in ranks.items():
             torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name}: {m}")
@@ -81,22 +108,12 @@ def test_compiled_model_trains_as_eager_at_every_stage():
 
 
 @pytest.mark.timeout(300)
-def test_a_network_compiled_in_configure_model_trains_under_the_trainer_as_eager(tmp_path):
+def test_a_network_compiled_in_configure_model_trains_under_the_trainer_as_eager(runs):
     # Lightning refuses Trainer.fit(torch.compile(lightning_module)) for strategies it does not know;
     # compiling the network inside the module (configure_model) is the way, and must match eager
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    script = Path(__file__).parent / "scripts" / "compile_run.py"
-    proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=280)
+    proc = runs[2]
     assert proc.returncode == 0, proc.stderr[-6000:]
     for rank in range(2):
-        ran = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        ran = torch.load(Path(proc.args[-1]) / f"rank{rank}.pt", weights_only=True)
         assert len(ran["compiled"]) == len(ran["eager"]) == 5 and ran["graphs"] >= 1
         torch.testing.assert_close(torch.tensor(ran["compiled"]), torch.tensor(ran["eager"]), rtol=1e-5, atol=1e-6)

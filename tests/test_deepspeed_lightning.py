@@ -4,7 +4,6 @@ for Lightning do, and whatever disagrees with the Trainer is an error before tra
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +16,30 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from zero_strategy import ZeroStrategy
 from zero_strategy.deepspeed.config import DeepSpeedConfigError
 
+from .cli_runs import clean_env, run_at_once
+
 SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_config_run.py"
+RESUME_SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_resume_run.py"
+DEEPSPEED_DATA = Path(__file__).parent / "data" / "deepspeed"
+RESUMED_CASE = "stage2_fp32"
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The two Lightning launches of this file, at once (each imports Lightning on one core while the
+    other runs): name -> (the finished process, the folder its ranks wrote to)."""
+    out = {name: tmp_path_factory.mktemp(name) for name in ("config", "resume")}
+    runs = run_at_once({
+        "config": ([sys.executable, str(SCRIPT), "--out", str(out["config"])], clean_env(), None),
+        "resume": ([sys.executable, str(RESUME_SCRIPT), "--case", RESUMED_CASE, "--stage", "3", "--out",
+                    str(out["resume"])], clean_env(), None),
+    }, timeout=280)
+    return {name: (proc, out[name]) for name, (proc, _) in runs.items()}
 
 
 @pytest.mark.timeout(300)
-def test_a_deepspeed_config_trains_as_its_settings_spelled_out(tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=280)
+def test_a_deepspeed_config_trains_as_its_settings_spelled_out(launches):
+    proc, tmp_path = launches["config"]
     assert proc.returncode == 0, proc.stderr[-6000:]
     for rank in range(2):
         ran = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
@@ -72,24 +85,16 @@ def test_config_and_arguments_that_disagree_or_have_no_stage_are_refused():
     assert strategy.config.stage == 3 and strategy.precision_plugin.precision == "bf16-mixed"
 
 
-RESUME_SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_resume_run.py"
-DEEPSPEED_DATA = Path(__file__).parent / "data" / "deepspeed"
-
-
 @pytest.mark.timeout(300)
-def test_fit_resumes_from_a_deepspeed_checkpoint_as_deepspeed_continued(tmp_path):
+def test_fit_resumes_from_a_deepspeed_checkpoint_as_deepspeed_continued(launches):
     # DeepSpeed trained the bare model at stage 2 on 2 ranks; here a LightningModule holds it as
     # self.model (the names gain a prefix) and resumes at stage 3, its optimizer over every
     # parameter (the frozen one included, as DeepSpeed users build it)
     from safetensors.torch import load_file
 
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    case = "stage2_fp32"
-    proc = subprocess.run([sys.executable, str(RESUME_SCRIPT), "--case", case, "--stage", "3", "--out",
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=280)
+    proc, tmp_path = launches["resume"]
     assert proc.returncode == 0, proc.stderr[-6000:]
+    case = RESUMED_CASE
     reference = json.loads((DEEPSPEED_DATA / case / "reference.json").read_text())
     continued = {k.removeprefix("continued/"): v for k, v in
                  load_file(DEEPSPEED_DATA / case / "reference.safetensors").items() if k.startswith("continued/")}
