@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .cli_runs import clean_env, run_at_once, summaries, zero_train
+from .cli_runs import clean_env, run_at_once, script, summaries
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,12 +32,35 @@ def test_readme_setup_commands_are_install_then_main_job_then_pytest():
     assert second == "python -m pytest"
 
 
-@pytest.mark.timeout(240)
-def test_readme_main_job_as_written_with_a_step_cap(tmp_path):
+EXAMPLES = {
+    # example: (small settings, what it must print)
+    "mlp_classifier": (["--max-steps", "60"], r"validation accuracy: (0\.\d+)", 0.3),  # chance 0.1
+    "bert_classifier": (["--max-steps", "150"], r"validation accuracy: (0\.\d+)", 0.6),  # chance 0.5
+    "gpt2_lm": (["--max-steps", "30", "--seq-len", "64", "--batch-size", "8"], r"validation loss: (\d+\.\d+)", None),
+}
+MAIN_JOB = "main_job"  # the README's
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The README's main job and every example, run at once, each in its own folder: a run spends
+    much of its time importing Lightning and starting its second rank, on one core, which the others'
+    training fills. name -> (the finished process, its folder)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in [MAIN_JOB, *EXAMPLES]}
     main_job = shlex.split([s.strip() for s in setup_commands()[0].split("&&")][-1])
     # the README's exact arguments; only the length is capped (the full run takes about 1.5 minutes)
-    proc = zero_train(tmp_path, *main_job[1:], "trainer.max_steps=20", f"hydra.run.dir={tmp_path / 'run'}")
-    ranks = summaries(tmp_path / "run")
+    commands = {MAIN_JOB: ([script(main_job[0]), *main_job[1:], "trainer.max_steps=20",
+                            f"hydra.run.dir={folders[MAIN_JOB] / 'run'}"], clean_env(), folders[MAIN_JOB])}
+    commands.update({example: ([sys.executable, str(ROOT / "examples" / example / "train.py"), *args], clean_env(),
+                               folders[example]) for example, (args, _, _) in EXAMPLES.items()})
+    return {name: (proc, folders[name]) for name, (proc, _) in run_at_once(commands, timeout=400).items()}
+
+
+@pytest.mark.timeout(420)
+def test_readme_main_job_as_written_with_a_step_cap(runs):
+    proc, folder = runs[MAIN_JOB]
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    ranks = summaries(folder / "run")
     mem = ranks[0]["memory"]
     assert (mem["stage"], mem["num_params"], ranks[0]["world_size"]) == (2, 842_496, 2)  # small GPT, ZeRO-2
     assert ranks[0]["metrics"]["val/loss"] < math.log(256) - 1  # well below guessing a byte uniformly
@@ -45,29 +68,11 @@ def test_readme_main_job_as_written_with_a_step_cap(tmp_path):
     assert "data=stdlib" in proc.stdout and "Final metrics" in proc.stdout
 
 
-EXAMPLES = {
-    # example: (small settings, what it must print)
-    "mlp_classifier": (["--max-steps", "60"], r"validation accuracy: (0\.\d+)", 0.3),  # chance 0.1
-    "bert_classifier": (["--max-steps", "150"], r"validation accuracy: (0\.\d+)", 0.6),  # chance 0.5
-    "gpt2_lm": (["--max-steps", "30", "--seq-len", "64", "--batch-size", "8"], r"validation loss: (\d+\.\d+)", None),
-}
-
-
-@pytest.fixture(scope="module")
-def example_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Every example run at once, each in its own folder: a run spends much of its time importing
-    Lightning and starting its second rank, on one core, which the others' training fills."""
-    runs = run_at_once({example: ([sys.executable, str(ROOT / "examples" / example / "train.py"), *args],
-                                  clean_env(), tmp_path_factory.mktemp(example))
-                        for example, (args, _, _) in EXAMPLES.items()}, timeout=400)
-    return {example: proc for example, (proc, _) in runs.items()}
-
-
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("example", list(EXAMPLES))
-def test_example_runs_on_two_cpu_processes(example_runs, example):
+def test_example_runs_on_two_cpu_processes(runs, example):
     _, pattern, at_least = EXAMPLES[example]
-    proc = example_runs[example]
+    proc, _ = runs[example]
     assert proc.returncode == 0, f"{example} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     value = float(re.search(pattern, proc.stdout).group(1))
     if at_least is not None:
