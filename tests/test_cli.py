@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from zero_strategy import estimate_memory
 from zero_strategy.checkpoint import is_sharded_checkpoint
 from zero_strategy.cli.report import format_bytes
 
-from .cli_runs import metric_rows, run, summaries, zero_train
+from .cli_runs import clean_env, metric_rows, run_at_once, script, summaries, zero_train
 
 CLI_CASES = Path(__file__).parent / "scripts" / "cli_cases.py"
 SMOKE = ("experiment=smoke",)  # a 6-step one-layer GPT: every part of a run, in seconds
@@ -26,14 +27,13 @@ PRESETS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 
 
 @pytest.fixture(scope="module")
-def preset_sweep(tmp_path_factory):
+def preset_sweep(launches):
     """One multirun over the strategy presets (the sweep folder, the process), shared by the tests
     that read its jobs: each job's ranks train in the job's own folder, rank 1 started by
     Lightning's launcher with its job's strategy, as a run of its own would."""
-    root = tmp_path_factory.mktemp("presets")
-    sweep = root / "sweep"
-    proc = zero_train(root, "-m", *SMOKE, "strategy=" + ",".join(PRESETS), f"hydra.sweep.dir={sweep}", timeout=400)
-    return sweep, proc
+    proc, folder = launches["sweep"]
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return folder / "sweep", proc
 
 
 def job_dir(sweep, strategy: str):
@@ -66,7 +66,7 @@ def check_finished_run(run_dir, stage: int, steps: int) -> list[dict]:
     return ranks
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 def test_zero2_preset_and_what_a_run_prints(preset_sweep):
     sweep, proc = preset_sweep
     run_dir = job_dir(sweep, "zero2")
@@ -78,7 +78,7 @@ def test_zero2_preset_and_what_a_run_prints(preset_sweep):
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train_ddp_process_1.log").is_file()
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 def test_resume_from_last_checkpoint(tmp_path, preset_sweep):
     ckpt = job_dir(preset_sweep[0], "zero2") / "checkpoints" / "last.ckpt"
     proc = zero_train(tmp_path, *SMOKE, f"ckpt_path={ckpt}", "trainer.max_steps=9", f"hydra.run.dir={tmp_path / 'r'}")
@@ -88,7 +88,7 @@ def test_resume_from_last_checkpoint(tmp_path, preset_sweep):
     assert min(logged_steps) >= 6 and max(logged_steps) == 8  # continued from step 6, not from 0
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(420)
 def test_each_strategy_preset_trains_on_two_processes_in_a_multirun(preset_sweep):
     sweep, proc = preset_sweep
     for job, (strategy, stage) in enumerate(PRESETS.items()):
@@ -124,23 +124,46 @@ ESTIMATES = {
 }
 
 
+QUICK = {**{f"bad: {name}": ["zero-train", *overrides] for name, (overrides, _) in BAD.items()},
+         **{f"estimate: {name}": ["zero-estimate", *args] for name, args in ESTIMATES.items()}}
+"""The command lines that end before training, run one after another in one process."""
+CONSOLE_CASE = "unknown key"  # also run through the console script, as the shell runs it
+
+
 @pytest.fixture(scope="module")
-def quick_runs(tmp_path_factory) -> dict[str, SimpleNamespace]:
-    """Every command line here that ends before training (the bad overrides, zero-estimate's), one
-    after another in one process (tests/scripts/cli_cases.py: each as its console script would run
-    it): case name -> returncode, stdout, stderr. Each bad override runs in its own folder."""
-    root = tmp_path_factory.mktemp("quick")
-    cases = {**{f"bad: {name}": ["zero-train", *overrides, f"hydra.run.dir={root / name / 'run'}"]
-                for name, (overrides, _) in BAD.items()},
-             **{f"estimate: {name}": ["zero-estimate", *args] for name, args in ESTIMATES.items()}}
-    out = root / "results.json"
-    run([sys.executable, str(CLI_CASES), str(out), json.dumps(list(cases.values()))], root, timeout=300)
-    results = json.loads(out.read_text())
+def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """This module's independent command lines, at once (see ``cli_runs.started``): the presets'
+    multirun; every line of ``QUICK`` in one process (tests/scripts/cli_cases.py: each as its
+    console script would run it, a bad override in a folder of its own); and ``CONSOLE_CASE``
+    through the real console script. name -> (the finished process, its folder)."""
+    root = tmp_path_factory.mktemp("cli")
+    folders = {name: root / name for name in ("sweep", "quick", "console")}
+    for folder in folders.values():
+        folder.mkdir()
+    quick = [[*line, f"hydra.run.dir={folders['quick'] / name.split(': ', 1)[1] / 'run'}"] if name.startswith("bad")
+             else line for name, line in QUICK.items()]
+    commands = {
+        "sweep": ([script("zero-train"), "-m", *SMOKE, "strategy=" + ",".join(PRESETS),
+                   f"hydra.sweep.dir={folders['sweep'] / 'sweep'}"], clean_env(), folders["sweep"]),
+        "quick": ([sys.executable, str(CLI_CASES), str(folders["quick"] / "results.json"), json.dumps(quick)],
+                  clean_env(), folders["quick"]),
+        "console": ([script("zero-train"), *BAD[CONSOLE_CASE][0], f"hydra.run.dir={folders['console'] / 'run'}"],
+                    clean_env(), folders["console"]),
+    }
+    return {name: (proc, folders[name]) for name, (proc, _) in run_at_once(commands, timeout=400).items()}
+
+
+@pytest.fixture(scope="module")
+def quick_runs(launches) -> dict[str, SimpleNamespace]:
+    """Case name of ``QUICK`` -> returncode, stdout, stderr, and the folder a bad override ran in."""
+    proc, root = launches["quick"]
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    results = json.loads((root / "results.json").read_text())
     return {name: SimpleNamespace(**result, folder=root / name.split(": ", 1)[1])
-            for name, result in zip(cases, results)}
+            for name, result in zip(QUICK, results)}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_overrides_say_what_to_do(quick_runs, case):
     proc = quick_runs[f"bad: {case}"]
@@ -151,14 +174,13 @@ def test_bad_overrides_say_what_to_do(quick_runs, case):
     assert not (proc.folder / "run" / "checkpoints").exists()  # nothing was launched
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["unknown key"])  # Hydra's error, explained by main()
-def test_the_console_script_fails_as_the_shared_process_reports(tmp_path, quick_runs, case):
-    # quick_runs runs the command lines in one process; here the same line runs as the shell runs it
-    overrides, expected = BAD[case]
-    proc = zero_train(tmp_path, *overrides, f"hydra.run.dir={tmp_path / 'run'}", check=False)
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", [CONSOLE_CASE])  # Hydra's error, explained by main()
+def test_the_console_script_fails_as_the_shared_process_reports(launches, quick_runs, case):
+    # quick_runs runs the command lines in one process; here the same line ran as the shell runs it
+    proc, _ = launches["console"]
     assert proc.returncode == quick_runs[f"bad: {case}"].returncode != 0
-    for text in expected:
+    for text in BAD[case][1]:
         assert text in proc.stderr
 
 
@@ -167,7 +189,7 @@ def estimate_cells(stdout: str, stage: int) -> list[str]:
     return [c.strip() for c in line.strip("│ ").split("│")]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_estimate_prints_estimate_memory_for_every_stage(quick_runs):
     proc = quick_runs["estimate: gpt"]
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -181,7 +203,7 @@ def test_estimate_prints_estimate_memory_for_every_stage(quick_runs):
     assert estimate_cells(proc.stdout, 2)[0] == "2 *"  # the configured preset is zero2
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_estimate_transformers_gpt2_matches_own_gpt_and_rejects_bad_world(quick_runs):
     # model=gpt2 (GPT2LMHeadModel) has the same shape as model=gpt: the same count, ties counted once
     proc = quick_runs["estimate: gpt2"]
