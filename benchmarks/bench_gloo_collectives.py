@@ -1,5 +1,6 @@
-"""gloo's collectives on one host against the ways the engine runs them (see [Note: reduce-scatter on
-gloo] and [Note: all-gather on gloo] in zero_strategy/engine/collectives.py).
+"""gloo's collectives on one host against other ways to run them: the engine's reduce-scatter (see
+[Note: reduce-scatter on gloo] in zero_strategy/engine/collectives.py), and an all-gather as
+broadcasts (tried and reverted: benchmarks/RESULTS.md, "All-gather on gloo").
 
     python benchmarks/bench_gloo_collectives.py [--world 2,4] [--mib 1,8,32,128] [--repeats 8]
 
@@ -9,8 +10,7 @@ output), the ranks time, taking turns (barrier before each call), median over ``
 - ``reduce_scatter``: ``dist.reduce_scatter_tensor``;
 - ``all_reduce+copy``: an in-place all-reduce, then a copy of this rank's chunk (the engine on gloo);
 - ``all_gather``: ``dist.all_gather_into_tensor``;
-- ``broadcasts``: each rank's chunk broadcast from it into the output, all issued together (the
-  engine on gloo).
+- ``broadcasts``: each rank's chunk broadcast from it into the output, all issued together.
 """
 
 from __future__ import annotations

@@ -10,13 +10,6 @@ gloo implements reduce-scatter as a full all-reduce of a private copy of the inp
 copy out of the rank's chunk. Calling the all-reduce ourselves, in place, sends the same bytes
 without the two copies (and, at stage 1, leaves the whole gradient averaged).
 
-[Note: all-gather on gloo]
-gloo's all-gather into one tensor is slow on CPU: on one host, 2 and 4 ranks, 1-128 MiB outputs,
-it takes 1.6-2.8x as long (1.0x for 1 MiB over 4 ranks) as one broadcast from each rank into
-its chunk of the output, issued together (``benchmarks/RESULTS.md``, "All-gather on gloo"). Those broadcasts send the same bytes
-(each rank's chunk reaches the n-1 others), so on gloo ``all_gather`` runs as them; it is counted
-as the all-gather it is.
-
 [Note: quantized reduce-scatter]
 ``quantized_reduce_scatter`` (``quantized_gradients``) sends block-quantized chunks (see [Note:
 packed rows] in quantize.py) and sums what arrives after dequantizing it, in fp32, so each rank's
@@ -215,12 +208,6 @@ class Collectives:
         if self.world_size == 1:
             return Pending(then=lambda: _copy_unless_same(output, input))
         self._count("all_gather", "all_gather", output.numel() * output.element_size())
-        if self.backend == "gloo":  # see [Note: all-gather on gloo]
-            chunks = output.view(self.world_size, -1)
-            _copy_unless_same(chunks[self.rank], input.view(-1))
-            parts = [self._pending(dist.broadcast(chunk, src=self.global_rank(r), group=self.group, async_op=True),
-                                   None, what) for r, chunk in enumerate(chunks)]
-            return Pending(then=lambda: wait_all(parts))
         return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what)
 
     def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, spec: QuantSpec,
