@@ -32,11 +32,16 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+def assert_succeeded(proc: subprocess.CompletedProcess) -> None:
+    """The command exited 0; else the failure shows the command and the ends of what it printed."""
+    assert proc.returncode == 0, \
+        f"{' '.join(map(str, proc.args))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
 def run(cmd: list[str], cwd: Path, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
     if check:
-        assert proc.returncode == 0, \
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        assert_succeeded(proc)
     return proc
 
 

@@ -17,7 +17,7 @@ from zero_strategy import estimate_memory
 from zero_strategy.checkpoint import is_sharded_checkpoint
 from zero_strategy.cli.report import format_bytes
 
-from .cli_runs import clean_env, metric_rows, run_at_once, script, summaries, zero_train
+from .cli_runs import assert_succeeded, clean_env, metric_rows, run_at_once, script, summaries, zero_train
 
 CLI_CASES = Path(__file__).parent / "scripts" / "cli_cases.py"
 SMOKE = ("experiment=smoke",)  # a 6-step one-layer GPT: every part of a run, in seconds
@@ -32,7 +32,7 @@ def preset_sweep(launches):
     that read its jobs: each job's ranks train in the job's own folder, rank 1 started by
     Lightning's launcher with its job's strategy, as a run of its own would."""
     proc, folder = launches["sweep"]
-    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert_succeeded(proc)
     return folder / "sweep", proc
 
 
@@ -157,7 +157,7 @@ def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
 def quick_runs(launches) -> dict[str, SimpleNamespace]:
     """Case name of ``QUICK`` -> returncode, stdout, stderr, and the folder a bad override ran in."""
     proc, root = launches["quick"]
-    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert_succeeded(proc)
     results = json.loads((root / "results.json").read_text())
     return {name: SimpleNamespace(**result, folder=root / name.split(": ", 1)[1])
             for name, result in zip(QUICK, results)}

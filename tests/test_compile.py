@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cli_runs import clean_env, finish, started
+from .cli_runs import assert_succeeded, clean_env, finish, started
 from .distributed import run_distributed
 
 
@@ -112,7 +112,7 @@ def test_a_network_compiled_in_configure_model_trains_under_the_trainer_as_eager
     # Lightning refuses Trainer.fit(torch.compile(lightning_module)) for strategies it does not know;
     # compiling the network inside the module (configure_model) is the way, and must match eager
     proc = runs[2]
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_succeeded(proc)
     for rank in range(2):
         ran = torch.load(Path(proc.args[-1]) / f"rank{rank}.pt", weights_only=True)
         assert len(ran["compiled"]) == len(ran["eager"]) == 5 and ran["graphs"] >= 1

@@ -16,7 +16,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from zero_strategy import ZeroStrategy
 from zero_strategy.deepspeed.config import DeepSpeedConfigError
 
-from .cli_runs import clean_env, run_at_once
+from .cli_runs import assert_succeeded, clean_env, run_at_once
 
 SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_config_run.py"
 RESUME_SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_resume_run.py"
@@ -40,7 +40,7 @@ def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
 @pytest.mark.timeout(300)
 def test_a_deepspeed_config_trains_as_its_settings_spelled_out(launches):
     proc, tmp_path = launches["config"]
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_succeeded(proc)
     for rank in range(2):
         ran = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         config, spelled = ran["config"], ran["spelled_out"]
@@ -93,7 +93,7 @@ def test_fit_resumes_from_a_deepspeed_checkpoint_as_deepspeed_continued(launches
     from safetensors.torch import load_file
 
     proc, tmp_path = launches["resume"]
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_succeeded(proc)
     case = RESUMED_CASE
     reference = json.loads((DEEPSPEED_DATA / case / "reference.json").read_text())
     continued = {k.removeprefix("continued/"): v for k, v in

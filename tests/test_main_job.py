@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .cli_runs import clean_env, run_at_once, script, summaries
+from .cli_runs import assert_succeeded, clean_env, run_at_once, script, summaries
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]
 @pytest.mark.timeout(420)
 def test_readme_main_job_as_written_with_a_step_cap(runs):
     proc, folder = runs[MAIN_JOB]
-    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert_succeeded(proc)
     ranks = summaries(folder / "run")
     mem = ranks[0]["memory"]
     assert (mem["stage"], mem["num_params"], ranks[0]["world_size"]) == (2, 842_496, 2)  # small GPT, ZeRO-2
@@ -73,7 +73,7 @@ def test_readme_main_job_as_written_with_a_step_cap(runs):
 def test_example_runs_on_two_cpu_processes(runs, example):
     _, pattern, at_least = EXAMPLES[example]
     proc, _ = runs[example]
-    assert proc.returncode == 0, f"{example} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert_succeeded(proc)
     value = float(re.search(pattern, proc.stdout).group(1))
     if at_least is not None:
         assert value > at_least, proc.stdout[-2000:]
