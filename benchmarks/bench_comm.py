@@ -102,7 +102,7 @@ def predicted_step(args: argparse.Namespace, name: str, order_checked: bool) -> 
     width = model_shape(args.params_millions, args.layers)
     with torch.device("meta"):
         model = ResidualMLP(width, args.layers)
-    return predict_step_bytes(model, _step_config(OPTIONS[name], args.bucket_cap_mb), WORLD, PER_NODE, backend="gloo",
+    return predict_step_bytes(model, _step_config(OPTIONS[name], args.bucket_cap_mb), WORLD, PER_NODE,
                               order_checked=order_checked)
 
 

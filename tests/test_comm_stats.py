@@ -124,7 +124,7 @@ def _predicted(name: str, by_phase: bool):
     stage, options, dtype, clip = CASES[name]
     with torch.device("meta"):
         model = TinyLM()
-    return predict_step_bytes(model, _config(stage, options), WORLD, PER_NODE, backend="gloo", dtype=dtype,
+    return predict_step_bytes(model, _config(stage, options), WORLD, PER_NODE, dtype=dtype,
                               clipping=clip, by_phase=by_phase)
 
 

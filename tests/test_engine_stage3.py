@@ -217,9 +217,11 @@ def test_gathered_parameters_gives_full_parameters_and_keeps_the_modifiers_edits
         assert torch.equal(seen["state"], seen["proj"])
 
 
-def test_a_released_unit_frees_its_memory_while_backward_still_needs_its_weights():
-    # autograd keeps views of each Linear's gathered weight for backward; releasing the unit must
-    # free that memory anyway (see [Note: freeing the full buffer]), and backward must still be right
+def test_a_released_unit_gives_its_buffer_back_while_backward_still_needs_its_weights():
+    # autograd keeps a view of each Linear's gathered weight for backward; releasing the unit must
+    # give its buffer back anyway, the next unit must reuse it (see [Note: saved weights] and
+    # [Note: reused buffers]), a user's own saved-tensor hooks must still see the activations, and
+    # backward must still be right
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
     reference = copy.deepcopy(model)
@@ -227,13 +229,18 @@ def test_a_released_unit_frees_its_memory_while_backward_still_needs_its_weights
                                              prefetch=False))
     sharded = [g for g in sharder.groups if not g.resident]
     assert len(sharded) == 8
+    gathered_at = []
+    for block in model:  # after the sharder's own hook: the unit is gathered
+        block[0].register_forward_pre_hook(lambda m, args: gathered_at.append(m.weight.untyped_storage().data_ptr()))
     x = torch.randn(4, 64)
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = model(x).square().mean()
-    full_storages = {g._full.untyped_storage().data_ptr() for g in sharded}
-    assert any(t.untyped_storage().data_ptr() in full_storages for t in saved), "no weight view was saved"
-    assert sum(g._full.untyped_storage().nbytes() for g in sharded) == 0  # every unit's memory is free
+    assert all(g.buffer is None for g in sharded)  # every unit released
+    assert len(set(gathered_at)) == 1, "each unit should gather into the buffer the one before gave back"
+    unit_bytes = sharded[0].layout.numel * 4
+    assert sum(b.numel() * b.element_size() for b in sharder.workspace_tensors()) == unit_bytes
+    assert saved and not any(t.untyped_storage().data_ptr() in gathered_at for t in saved)  # activations only
     grads = {}
     for g in sharded:
         for p in g.params:

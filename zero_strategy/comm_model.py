@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig
-from .engine.comm_volume import CommCounter, NodeLayout, reduce_scatter_algorithm, sent_bytes
+from .engine.comm_volume import CommCounter, NodeLayout, sent_bytes
 from .engine.flat import _ONE_SEGMENT
 from .engine.layout import GroupLayout, align_elements, plan_group
 from .engine.parameters import split_groups
@@ -98,8 +98,8 @@ class _Group:
 class _Step:
     """The collectives of one step, counted as the engine's counter counts them."""
 
-    def __init__(self, nodes: NodeLayout, backend: str) -> None:
-        self.nodes, self.backend = nodes, backend
+    def __init__(self, nodes: NodeLayout) -> None:
+        self.nodes = nodes
         self.world_inter = nodes.num_nodes > 1
         self.counter = CommCounter()
         self.phases = {phase: CommCounter() for phase in PHASES}
@@ -123,8 +123,7 @@ class _Step:
         for seg in group.layout.segments:
             shard = seg.shard_numel
             if quantize is None:
-                algorithm = reduce_scatter_algorithm(self.backend)
-                self.add("reduce_scatter", algorithm, seg.numel * group.element_size, n, self.world_inter)
+                self.add("reduce_scatter", "reduce_scatter", seg.numel * group.element_size, n, self.world_inter)
             elif per_node > 1 and nodes > 1:  # two hops: see [Note: quantized reduce-scatter]
                 self.add("reduce_scatter", "all_to_all", per_node * packed_row_bytes(nodes * shard, quantize),
                          per_node, False)
@@ -149,12 +148,12 @@ def _groups(params: Sequence[nn.Parameter], config: ZeroConfig, world_size: int,
 
 
 def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, ranks_per_node: Optional[int] = None,
-                       backend: str = "nccl", dtype: Optional[torch.dtype] = None, loss_scaling: bool = False,
+                       dtype: Optional[torch.dtype] = None, loss_scaling: bool = False,
                        clipping: bool = False, accumulation_steps: int = 1, order_checked: bool = True,
                        by_phase: bool = False) -> dict[str, int] | dict[str, dict[str, int]]:
     """The bytes one rank sends in one training step of ``module`` under ``config`` (see [Note: the
     communication model]): the keys of ``comm_stats()``. ``dtype`` is the working weights' (default:
-    the parameters' own); ``backend`` "gloo" costs reduce-scatters as gloo runs them; ``loss_scaling``
+    the parameters' own); ``loss_scaling``
     (fp16) and ``clipping`` add their small all-reduces; ``order_checked``: a step whose pass the order
     guard checks (the first passes, then one in ``check_unit_order_every``: see [Note: order guard] in
     engine/order_guard.py), which sends its tags. With ``by_phase`` the same, per phase
@@ -165,7 +164,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     nodes = NodeLayout(world_size, ranks_per_node if ranks_per_node is not None else world_size)
     element_size = torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
     params = list(dict.fromkeys(module.parameters()))
-    step = _Step(nodes, backend)
+    step = _Step(nodes)
     grads_q, weights_q = config.gradient_quantization, config.weight_quantization
     if config.stage == 3:
         first = element_size or params[0].element_size()

@@ -4,6 +4,10 @@ Both answer in the same keys, bytes per rank: ``params`` (working weights), ``gr
 ``optimizer_states`` (e.g. Adam's two moments), ``master_params`` (fp32 copies of low-precision
 weights), and ``total``; and where those bytes live: ``device``, ``host`` (offloaded to host
 memory) and ``disk`` (optimizer state in ``offload_dir``), which add up to ``total``.
+``memory_stats`` also reports ``workspace``: the engine's reusable transient buffers held free
+between uses (stage 3's gather buffers, the gradient staging buffers: see [Note: reused buffers] in
+engine/pool.py). Like activations, they are not model state: the formula has no term for them, and
+they are not in ``total``.
 """
 
 from __future__ import annotations
@@ -155,7 +159,8 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
     that aliases the parameters (see [Note: master weights]) is counted as parameters only. At
     stage 3, parameters are the shards plus whatever units are gathered at the moment. ``host``
     counts what the engine offloaded to host memory (on a CPU run that is the same memory as the
-    device's, but still told apart), ``disk`` the optimizer state in ``offload_dir`` files.
+    device's, but still told apart), ``disk`` the optimizer state in ``offload_dir`` files, and
+    ``workspace`` the engine's reusable buffers held free now (not in ``total``).
     """
     optimizers = list(optimizers)
     sharders = dict.fromkeys(s for s in (getattr(p, "_zero_sharder", None) for p in module.parameters()) if s)
@@ -172,6 +177,8 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
         for v in s.values()
     )
     stats["total"] = sum(stats[k] for k in KEYS)
+    stats["workspace"] = count([*(t for s in sharders for t in s.workspace_tensors()),
+                                *(t for o in zero for t in o.memory_tensors()["workspace"])])
     stats["host"] = count.host
     stats["disk"] = disk
     stats["device"] = stats["total"] - stats["host"] - stats["disk"]

@@ -17,9 +17,8 @@ the figure does not depend on the rank. The counter (``CommCounter``) and the mo
 (zero_strategy/comm_model.py) both call ``sent_bytes``: they use one definition, and agree exactly.
 
 Bytes are filed under what the engine asked for, at the cost of how the backend does it:
-- gloo has no reduce-scatter of its own (see [Note: reduce-scatter on gloo] in collectives.py): it
-  runs an all-reduce, so a reduce-scatter on gloo is filed under ``reduce_scatter`` and costs
-  2(n-1)/n * B; on NCCL it costs (n-1)/n * B.
+- on gloo a reduce-scatter runs as an all-to-all (see [Note: reduce-scatter on gloo] in
+  collectives.py), which sends what a reduce-scatter sends: (n-1)/n * B on every backend.
 - the quantized reduce-scatter (``quantized_gradients``) is one or two all-to-alls of packed rows
   (see [Note: quantized reduce-scatter] in collectives.py): filed under ``reduce_scatter``, at
   the all-to-all's cost of the packed bytes.
@@ -55,11 +54,6 @@ def sent_bytes(algorithm: str, nbytes: int, group_size: int) -> int:
         return 0
     num, _ = _FACTOR[algorithm]
     return num * (group_size - 1) * nbytes // group_size
-
-
-def reduce_scatter_algorithm(backend: str) -> str:
-    """What a reduce-scatter runs as on ``backend``: gloo's is an all-reduce (see [Note: bytes sent])."""
-    return "all_reduce" if backend == "gloo" else "reduce_scatter"
 
 
 class NodeLayout:

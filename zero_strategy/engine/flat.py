@@ -16,15 +16,14 @@ without master weights ("bf16-true"), are their own master: the optimizer update
 in place, and there is nothing to write back.
 
 [Note: freeing the full buffer]
-Autograd keeps what a forward saved for backward, and for a linear layer that includes views of
-the weight (its transpose): views of the gathered full buffer. Dropping our reference to the
-buffer on release would therefore free nothing until backward, and every unit would stay in
-memory from its forward to its backward. So a sharded group keeps one full buffer for its whole
-life and ``release()`` resizes its *storage* to zero bytes, which frees the memory under every
-view at once; ``gather()`` resizes the same storage back and all-gathers into it, so the views
-autograd saved read the gathered values again by the time backward reaches the unit (its outputs'
-hook gathers it first: see [Note: when units are gathered] in parameters.py). Touching a saved
-view while its unit is released is an error, not a silent read of stale memory.
+A sharded group's full buffer exists only between ``gather()`` and ``release()``, and comes from the
+sharder's ``BufferPool`` (see [Note: reused buffers] in pool.py): release gives it back, so the next
+unit's gather, or this one's in backward, reuses the memory instead of allocating. Autograd keeps
+what a forward saved for backward, and for a linear layer that includes a view of the weight: a
+view of the gathered buffer, which would keep it out of the pool until backward. The saved-tensor
+hooks of [Note: saved weights] (saved_weights.py) keep the view's position instead, and rebuild
+it over the buffer the group holds when backward reaches the unit (its outputs' hook gathers it
+first: see [Note: when units are gathered] in parameters.py).
 
 [Note: offloaded groups]
 ``offload_master`` puts the master shard in host memory (a copy even for fp32 weights, which are
@@ -60,6 +59,7 @@ import torch
 from .collectives import Collectives, Describe, Pending, after
 from .layout import GroupLayout, Piece, Segment, align_elements, plan_group
 from .offload import HOST, host_copy
+from .pool import BufferPool
 from .quantize import QuantSpec, dequantize_into, packed_row_bytes, quantize_rows
 
 _ONE_SEGMENT = 2**62  # a bucket larger than any group: one segment
@@ -87,7 +87,7 @@ class FlatGroup:
             [p.numel() for p in self.params], world_size, bucket_numel, align_elements(first.element_size())
         )
         self.pieces: tuple[Piece, ...] = self.layout.pieces(rank)
-        self.buffer: Optional[torch.Tensor] = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
+        self.buffer: Optional[torch.Tensor] = self._new_buffer().zero_()  # padding stays zero in the shards
         with torch.no_grad():
             for p, view in zip(self.params, self.param_views(self.buffer)):
                 view.copy_(p.detach().reshape(view.shape))
@@ -107,6 +107,9 @@ class FlatGroup:
             self.master_shard = shard if is_own else host_copy(own, want, self.device)
         elif want not in (None, self.dtype):
             self.master_shard = own.to(want)
+
+    def _new_buffer(self) -> torch.Tensor:
+        return torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -233,13 +236,16 @@ class ResidentGroup(FlatGroup):
 
 
 class ShardedGroup(FlatGroup):
-    """A group of which each rank keeps only its ``shard``; the full buffer exists while gathered
-    (see [Note: freeing the full buffer]). ``offload_shard`` keeps the shard in host memory."""
+    """A group of which each rank keeps only its ``shard``; the full buffer exists while gathered,
+    taken from ``pool`` (see [Note: freeing the full buffer]). ``offload_shard`` keeps the shard in
+    host memory."""
 
     resident = False
 
     def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int,
-                 offload_shard: bool = False, **kwargs) -> None:
+                 offload_shard: bool = False, pool: Optional[BufferPool] = None, **kwargs) -> None:
+        self.pool = pool if pool is not None else BufferPool()
+        self.unit_name = "?"  # the unit's, for messages (set by Unit)
         super().__init__(params, world_size, rank, **kwargs)
         assert self.buffer is not None
         own = torch.cat([self.own_shard_of(self.buffer, seg) for seg in self.segments])
@@ -249,8 +255,10 @@ class ShardedGroup(FlatGroup):
         self.secondary_spec: Optional[QuantSpec] = None  # how the secondary parts are stored
         self.quantized = False  # the full buffer holds dequantized weights: see [Note: quantized gathers]
         self._make_master(own, self.shard)
-        self._full = self.buffer
         self.release()
+
+    def _new_buffer(self) -> torch.Tensor:
+        return self.pool.take(self.layout.numel, self.dtype, self.device, owner=self)
 
     def weights(self, piece: Piece) -> torch.Tensor:
         return self.shard_slice(self.shard, piece)
@@ -259,8 +267,7 @@ class ShardedGroup(FlatGroup):
         return [self.shard, *self.secondary.values()] + ([self.buffer] if self.buffer is not None else [])
 
     def _allocate(self) -> torch.Tensor:
-        self._full.untyped_storage().resize_(self.layout.numel * self._full.element_size())
-        self.buffer = self._full
+        self.buffer = self._new_buffer()
         self._point_params_at(self.buffer)
         return self.buffer
 
@@ -332,13 +339,13 @@ class ShardedGroup(FlatGroup):
         self.secondary.clear()
 
     def release(self) -> None:
-        """Free the full buffer's memory; parameters become empty until the next gather."""
+        """Give the full buffer back to the pool; parameters become empty until the next gather."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
         if self.buffer is not None:
-            self.buffer.untyped_storage().resize_(0)  # also under autograd's saved views
-        self.buffer = None
+            buffer, self.buffer = self.buffer, None
+            self.pool.give(buffer)
 
     def write_back(self) -> None:
         """Round the master into the shard; a gathered copy no longer matches it, and is released."""

@@ -34,42 +34,19 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives, Pending
+from .collectives import Collectives, Pending, after
 from .flat import FlatGroup
 from .layout import Piece
 from .offload import host_empty, wait_for_copies
+from .pool import BufferPool
 
 ROUNDING_SEED = 0x5EED
 """Seed of the stochastic rounding of quantized gradients (plus the rank): runs repeat."""
 
 MAX_INFLIGHT = 2
-"""Stage 2 reductions in flight before backward waits for the oldest. Bounds the staging memory to
-a few buckets (as DeepSpeed's two reduce buckets do) while still overlapping backward."""
-
-
-class _StagingPool:
-    """Staging buffers reused across the segments of one backward: allocating (and on CPU faulting
-    in) fresh memory for every bucket costs more than the copies themselves. The pool is emptied
-    when backward ends, so between steps no staging memory is held (at stage 3 a unit's segment can
-    be as large as the unit); the next backward allocates its few buffers again, which the CUDA
-    caching allocator, and glibc for buffers up to its 32 MiB mmap threshold, serve without new pages."""
-
-    def __init__(self) -> None:
-        self.free: list[torch.Tensor] = []
-
-    def take(self, group: FlatGroup, numel: int) -> torch.Tensor:
-        """A 1-D buffer of at least ``numel`` elements, of ``group``'s dtype and device."""
-        fits = [n for n, b in enumerate(self.free)
-                if b.dtype == group.dtype and b.device == group.device and b.numel() >= numel]
-        if fits:
-            return self.free.pop(min(fits, key=lambda n: self.free[n].numel()))
-        return torch.zeros(numel, dtype=group.dtype, device=group.device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        self.free.append(buffer)
-
-    def clear(self) -> None:
-        self.free.clear()
+"""Reductions in flight before the reducer waits for the oldest. Bounds the staging (and, on gloo,
+receive) memory to a few buckets (as DeepSpeed's two reduce buckets do) while still overlapping
+backward."""
 
 
 def launch_order(groups: Sequence[FlatGroup], position: Mapping[torch.nn.Parameter, int]) -> list[tuple[int, int]]:
@@ -97,6 +74,7 @@ class GradientReducer:
             host_empty(g.layout.shard_numel, dt, g.device).zero_() for g, dt in zip(self.groups, host_dtypes)
         ] if host_dtypes is not None else [None] * len(self.groups)
         self.order = launch_order(self.groups, position)
+        self._pool = BufferPool()  # staging and receive buffers, reused: see [Note: reused buffers] in pool.py
         self._rounding: Optional[torch.Generator] = None  # for quantized_gradients: see _reduce_scatter
         if any(g.reduce_quantization is not None for g in self.groups):
             self._rounding = torch.Generator(self.groups[0].device)
@@ -115,9 +93,12 @@ class GradientReducer:
         see [Note: quantized reduce-scatter] in collectives.py), rounded stochastically with this
         reducer's generator (see [Note: stochastic rounding] in quantize.py)."""
         spec = self.groups[gi].reduce_quantization
-        if spec is None:
+        if spec is not None:
+            return self.comm.quantized_reduce_scatter(output, input, spec, what, noise=self._rounding)
+        if not self.comm.reduce_scatter_needs_scratch:
             return self.comm.reduce_scatter(output, input, what)
-        return self.comm.quantized_reduce_scatter(output, input, spec, what, noise=self._rounding)
+        scratch = self._pool.take(input.numel(), input.dtype, input.device)  # see [Note: reduce-scatter on gloo]
+        return after(self.comm.reduce_scatter(output, input, what, scratch), lambda: self._pool.give(scratch))
 
     def _describe(self, gi: int, si: int) -> str:
         seg = self.groups[gi].segments[si]
@@ -148,6 +129,10 @@ class GradientReducer:
     def held_tensors(self) -> list[torch.Tensor]:
         """Gradient storage that outlives a step."""
         raise NotImplementedError
+
+    def workspace_tensors(self) -> list[torch.Tensor]:
+        """Staging and receive buffers kept free for the next reductions (see [Note: reused buffers])."""
+        return self._pool.free_buffers()
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The gradient storage that lives in host memory (see [Note: gradients to the host])."""
@@ -190,22 +175,27 @@ class FullGradientReducer(GradientReducer):
     def reduce(self) -> None:
         if self._reduced:
             return
-        pending = []
-        for gi, si in self.order:
+        self._pool.begin_pass()
+        inflight: deque = deque()
+        for n, (gi, si) in enumerate(self.order):
             group = self.groups[gi]
             seg = group.segments[si]
             full = group.segment_of(self.grad_buffers[gi], seg)
             if self.comm.world_size > 1:
                 full.div_(self.comm.world_size)
-            pending.append(self._reduce_scatter(gi, group.own_shard_of(self.grad_buffers[gi], seg), full,
-                                                functools.partial(self._describe, gi, si)))
-        for (gi, si), p in zip(self.order, pending):  # see [Note: gradients to the host]
-            p.wait()
-            host, group = self.host_grads[gi], self.groups[gi]
-            if host is not None:
-                seg = group.segments[si]
-                group.segment_shard(host, seg).copy_(group.own_shard_of(self.grad_buffers[gi], seg), non_blocking=True)
+            inflight.append((gi, si, self._reduce_scatter(gi, group.own_shard_of(self.grad_buffers[gi], seg), full,
+                                                          functools.partial(self._describe, gi, si))))
+            while inflight and (len(inflight) > MAX_INFLIGHT or n == len(self.order) - 1):
+                self._finish_segment(*inflight.popleft())
+        self._pool.end_pass()
         self._reduced = True
+
+    def _finish_segment(self, gi: int, si: int, pending: Pending) -> None:
+        pending.wait()
+        host, group = self.host_grads[gi], self.groups[gi]
+        if host is not None:  # see [Note: gradients to the host]
+            seg = group.segments[si]
+            group.segment_shard(host, seg).copy_(group.own_shard_of(self.grad_buffers[gi], seg), non_blocking=True)
 
     def piece_grad(self, gi: int, piece: Piece) -> torch.Tensor:
         host = self.host_grads[gi]
@@ -238,7 +228,6 @@ class ShardedGradientReducer(GradientReducer):
         self.grad_shards = [h if h is not None else torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device)
                             for g, h in zip(self.groups, self.host_grads)]
         self._shard_filled = False  # False after zero_grad: the next reduction writes, not adds
-        self._pool = _StagingPool()
         self._inflight: deque = deque()  # (pending, staging, output, target, add)
         self._reset_backward_state()
 
@@ -255,16 +244,17 @@ class ShardedGradientReducer(GradientReducer):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
+            self._pool.begin_pass()
         grad, param.grad = param.grad, None
         group = self.groups[gi]
         key = (gi, group.layout.param_segments[i])
         seg = group.segments[key[1]]
         staging = self._staging.get(key)
         if staging is None:
-            staging = self._staging[key] = self._pool.take(group, seg.numel)
+            staging = self._staging[key] = self._take_staging(group, seg.numel)
             self._staged[key] = set()
         offset = group.layout.param_offsets[i] - seg.start
-        dst = staging[offset : offset + grad.numel()]  # staging may be longer than the segment
+        dst = staging[offset : offset + grad.numel()]
         if i in self._staged[key]:  # a second gradient for it in this backward
             dst.add_(grad.reshape(-1))
         else:
@@ -285,7 +275,7 @@ class ShardedGradientReducer(GradientReducer):
         for key in sorted(self._late, key=self._rank_in_order.__getitem__):
             self._launch(key, accumulate=True)
         self._finish(len(self._inflight))
-        self._pool.clear()  # staging lives only during backward: see _StagingPool
+        self._pool.end_pass()
         self._shard_filled = True
         self._reset_backward_state()
         if self.listener is not None:
@@ -307,7 +297,7 @@ class ShardedGradientReducer(GradientReducer):
         buffer = self._staging.pop(key, None)
         staged = self._staged.pop(key, set())
         if buffer is None:  # no gradient reached this segment on this rank
-            buffer = self._pool.take(group, seg.numel)
+            buffer = self._take_staging(group, seg.numel)
         staging = buffer[: seg.numel]
         # A reused buffer holds earlier values: zero what no gradient overwrote (alignment gaps
         # between parameters land in padding that no piece reads).
@@ -341,11 +331,14 @@ class ShardedGradientReducer(GradientReducer):
                 target.copy_(output, non_blocking=True)
             self._pool.give(buffer)
 
+    def _take_staging(self, group: FlatGroup, numel: int) -> torch.Tensor:
+        return self._pool.take(numel, group.dtype, group.device)
+
     def piece_grad(self, gi: int, piece: Piece) -> torch.Tensor:
         return FlatGroup.shard_slice(self.grad_shards[gi], piece)  # the host shard itself when offloaded
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return list(self.grad_shards) + list(self._pool.free)
+        return list(self.grad_shards)
 
     def zero_grad(self) -> None:
         super().zero_grad()

@@ -449,15 +449,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.comm.comm_stats()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Tensors this engine keeps alive, by kind (the inner optimizer's state aside), and under
-        ``host`` those of them (and of the state) that live in host memory because of offload."""
+        """Tensors this engine keeps alive, by kind (the inner optimizer's state aside), under
+        ``host`` those of them (and of the state) that live in host memory because of offload, and
+        under ``workspace`` the staging buffers kept for the next backward."""
         masters = [g.master_shard for g in self.groups if g.master_shard is not None]
         host: list[torch.Tensor] = []
         if self.offloaded:
             state = [v for entry in self.inner.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
             host = [*self.reducer.host_tensors(), *(m for m in masters if m.device == HOST), *state]
         return {"grads": self.reducer.held_tensors(),  # fp32 weights are their own master: no copy
-                "master_params": masters, "host": host}
+                "master_params": masters, "host": host, "workspace": self.reducer.workspace_tensors()}
 
     def disk_bytes(self) -> int:
         """Bytes of optimizer state in ``offload_dir`` files (0 without disk offload)."""

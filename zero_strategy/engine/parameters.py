@@ -63,6 +63,8 @@ from ..config import ZeroConfig
 from .collectives import Collectives
 from .flat import FlatGroup, ResidentGroup, ShardedGroup
 from .order_guard import BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE, OrderGuard
+from .pool import BufferPool
+from .saved_weights import SavedWeights
 from .unit import Unit, UnitState
 from .unit_plan import UnitPlan, plan_units
 
@@ -147,6 +149,8 @@ class ParameterSharder:
             what = type(module).__name__ if self.module is not None else "the optimizer's parameter list"
             raise ValueError(f"{what} has no trainable parameter (every requires_grad is False), so there is nothing "
                              "to train; unfreeze some parameters (requires_grad_(True)).")
+        self.pool = BufferPool()  # the full buffers of gathered units: see [Note: reused buffers] in pool.py
+        self.saved_weights = SavedWeights(self.pool)  # see [Note: saved weights] in saved_weights.py
         self._owners: dict[nn.Parameter, list[nn.Module]] = {}
         for mod in (self.module.modules() if self.module is not None else ()):
             for p in mod.parameters(recurse=False):
@@ -191,7 +195,8 @@ class ParameterSharder:
             for unit in self.units:
                 for mod in unit.modules:
                     self._handles.append(mod.register_forward_pre_hook(_eager(functools.partial(self._pre_forward, unit))))
-                    self._handles.append(mod.register_forward_hook(_eager(functools.partial(self._post_forward, unit))))
+                    self._handles.append(mod.register_forward_hook(_eager(functools.partial(self._post_forward, unit)),
+                                                                   always_call=True))  # pops the saved-tensor hooks
             self._handles.append(self.module.register_forward_pre_hook(_eager(self._pre_forward_root)))
             self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root)))
             for unit in self.all_units:
@@ -256,7 +261,7 @@ class ParameterSharder:
                 groups.append(ResidentGroup(ps, n, r, bucket_numel=bucket, **common))
             else:  # cut into buckets too, so a big unit (the root) is reduced in pieces
                 groups.append(ShardedGroup(ps, n, r, bucket_numel=bucket, offload_shard=config.offload_params,
-                                           **common))
+                                           pool=self.pool, **common))
             if trainable:
                 groups[-1].reduce_quantization = config.gradient_quantization
         return groups
@@ -336,6 +341,7 @@ class ParameterSharder:
             self._end_pass()
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
+        self.saved_weights.push()  # see [Note: saved weights] in saved_weights.py
         if _in_backward():  # a recomputation: see [Note: when units are gathered]
             self.gather(unit, RECOMPUTE)
             unit.users += 1
@@ -351,6 +357,7 @@ class ParameterSharder:
         self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
+        self.saved_weights.pop()
         unit.users -= 1
         if _in_backward():
             return  # a recomputation: see [Note: when units are gathered]
@@ -379,6 +386,7 @@ class ParameterSharder:
         if not self._in_pass:
             self._in_pass = True
             self.guard.begin_pass()
+            self.pool.begin_pass()
 
     def _end_pass(self) -> None:
         self._in_pass = False
@@ -386,6 +394,7 @@ class ParameterSharder:
         for unit in self.all_units:
             unit.release()
             unit.drop_secondary()
+        self.pool.end_pass()
         self.guard.flush()
 
     # ---- called by the gradient reducer ----------------------------------------------------
@@ -406,6 +415,10 @@ class ParameterSharder:
     def held_tensors(self) -> list[torch.Tensor]:
         """Parameter storage held now: every shard, and the full buffers of gathered or resident groups."""
         return [t for g in self.groups for t in g.held_tensors()]
+
+    def workspace_tensors(self) -> list[torch.Tensor]:
+        """Full buffers kept free for the next gathers (see [Note: reused buffers] in pool.py)."""
+        return self.pool.free_buffers()
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The parameter storage in host memory: the shards of ``offload_params``."""

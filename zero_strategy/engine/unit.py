@@ -34,6 +34,8 @@ class Unit:
         self.index = index
         self.name = name
         self.groups = groups
+        for g in self._sharded():
+            g.unit_name = name
         self.modules = modules  # whose forwards gather it; () for the root unit
         self.state = UnitState.RELEASED
         self.users = 0  # forwards of its modules in progress
