@@ -1,6 +1,6 @@
-"""gloo's collectives on one host against other ways to run them: the engine's reduce-scatter (see
-[Note: reduce-scatter on gloo] in zero_strategy/engine/collectives.py), and an all-gather as
-broadcasts (tried and reverted: benchmarks/RESULTS.md, "All-gather on gloo").
+"""gloo's collectives on one host against other ways to run them: the engine's reduce-scatter (an
+all-to-all and a sum: see [Note: reduce-scatter on gloo] in zero_strategy/engine/collectives.py)
+against gloo's own and an all-reduce, and gloo's all-gather against one broadcast from each rank.
 
     python benchmarks/bench_gloo_collectives.py [--world 2,4] [--mib 1,8,32,128] [--repeats 8]
 
@@ -8,9 +8,13 @@ For each world size and buffer size (MiB of fp32, the reduce-scatter's input and
 output), the ranks time, taking turns (barrier before each call), median over ``--repeats``:
 
 - ``reduce_scatter``: ``dist.reduce_scatter_tensor``;
-- ``all_reduce+copy``: an in-place all-reduce, then a copy of this rank's chunk (the engine on gloo);
+- ``all_reduce+copy``: an in-place all-reduce, then a copy of this rank's chunk (the engine on gloo
+  until 2026-12-02);
+- ``all_to_all+sum``: an all-to-all into a receive buffer, then the sum of its rows (the engine on gloo);
 - ``all_gather``: ``dist.all_gather_into_tensor``;
-- ``broadcasts``: each rank's chunk broadcast from it into the output, all issued together.
+- ``broadcasts``: each rank's chunk broadcast from it into the output, all issued together. Faster
+  here, one thread per rank, but 3-10x slower than ``all_gather`` once ranks share cores with
+  compute threads (benchmarks/RESULTS.md, 2026-12-02), so the engine keeps gloo's all-gather.
 """
 
 from __future__ import annotations
@@ -44,8 +48,15 @@ def run(rank: int, world: int, port: int, numel: int, repeats: int, out) -> None
         for w in works:
             w.wait()
 
+    received = torch.empty(world, chunk)
+
+    def all_to_all_sum() -> None:
+        dist.all_to_all_single(received.view(-1), inp)
+        torch.sum(received, 0, out=out_chunk)
+
     variants = {"reduce_scatter": lambda: dist.reduce_scatter_tensor(out_chunk, inp),
                 "all_reduce+copy": all_reduce_copy,
+                "all_to_all+sum": all_to_all_sum,
                 "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
                 "broadcasts": broadcasts}
     times = {name: [] for name in variants}
@@ -73,8 +84,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
     print(f"gloo, one host, 1 thread per rank; torch {torch.__version__}; median ms of {args.repeats} calls")
-    print("| ranks | MiB | reduce_scatter | all_reduce+copy | ratio | all_gather | broadcasts | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ranks | MiB | reduce_scatter | all_reduce+copy | ratio | all_to_all+sum | ratio | all_gather | broadcasts | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     ctx = mp.get_context("spawn")
     for world in map(int, args.world.split(",")):
         for mib in map(int, args.mib.split(",")):
@@ -83,7 +94,8 @@ def main() -> None:
                                start_method="spawn")
             t = {k: v * 1e3 for k, v in queue.get().items()}
             print(f"| {world} | {mib} | {t['reduce_scatter']:.1f} | {t['all_reduce+copy']:.1f} | "
-                  f"{t['reduce_scatter'] / t['all_reduce+copy']:.2f}x | {t['all_gather']:.1f} | {t['broadcasts']:.1f} | "
+                  f"{t['reduce_scatter'] / t['all_reduce+copy']:.2f}x | {t['all_to_all+sum']:.1f} | "
+                  f"{t['all_to_all+sum'] / t['all_reduce+copy']:.2f}x | {t['all_gather']:.1f} | {t['broadcasts']:.1f} | "
                   f"{t['all_gather'] / t['broadcasts']:.2f}x |", flush=True)
 
 

@@ -15,6 +15,22 @@ reduce-scatter, no private copy, and 0.3-0.8x the time of an in-place all-reduce
 the all-reduce's to the bit (a + b = b + a); over more, it adds in rank order, once, where a ring
 rounds at every hop.
 
+[Note: all-gather on gloo]
+gloo's all-gather into one tensor gathers into a private flat tensor of the output's size and then
+copies it out: two allocations of the output's size per call, which fragment glibc's heap (stage 3
+of the 67M-parameter benchmark MLP stays at 0.98x DDP's peak resident memory with them, 0.72-0.78x
+without). One broadcast from each rank straight into its chunk of the output, issued together,
+sends the same bytes (each chunk reaches the n-1 others), allocates nothing, and on one host takes
+0.35-0.5x the time (``bench_gloo_collectives.py``, from 1 MiB over 2 ranks and from 8 MiB over 4).
+But when a rank computes with several threads and the host is oversubscribed, OpenMP's spinning
+worker threads starve the broadcasts' gloo threads (and not gloo's all-gather): 3x slower with 2
+ranks x 2 threads on 2 cores, 10x with four such jobs; with OMP_WAIT_POLICY=PASSIVE, or one thread
+per rank, the broadcasts are as fast as ever (benchmarks/RESULTS.md, 2026-12-02). So an all-gather
+of at least ``BROADCAST_GATHER_BYTES`` runs as broadcasts on gloo only while torch computes on one
+thread (``torch.get_num_threads() == 1``: what Lightning and torchrun set for several ranks on a
+CPU host with a core each), counted as the all-gather it is; otherwise, and below that size (where
+one collective's latency counts more than its bytes), it is gloo's own.
+
 [Note: quantized reduce-scatter]
 ``quantized_reduce_scatter`` (``quantized_gradients``) sends block-quantized chunks (see [Note:
 packed rows] in quantize.py) and sums what arrives after dequantizing it, in fp32, so each rank's
@@ -46,6 +62,10 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 Describe = Callable[[], str]
 """Names a collective for the watchdog's and the failures' messages: called only when needed."""
+
+
+BROADCAST_GATHER_BYTES = 1 << 20
+"""gloo all-gathers of at least this many output bytes may run as broadcasts: see [Note: all-gather on gloo]."""
 
 
 def _unnamed() -> str:
@@ -220,8 +240,18 @@ class Collectives:
         """Concatenate every rank's ``input`` into ``output``; ``input`` may alias its own chunk."""
         if self.world_size == 1:
             return Pending(then=lambda: _copy_unless_same(output, input))
-        self._count("all_gather", "all_gather", output.numel() * output.element_size())
+        nbytes = output.numel() * output.element_size()
+        self._count("all_gather", "all_gather", nbytes)
+        if self.backend == "gloo" and nbytes >= BROADCAST_GATHER_BYTES and torch.get_num_threads() == 1:
+            return self._gather_by_broadcasts(output, input, what)  # see [Note: all-gather on gloo]
         return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what)
+
+    def _gather_by_broadcasts(self, output: torch.Tensor, input: torch.Tensor, what: Describe) -> Pending:
+        chunks = output.view(self.world_size, -1)
+        _copy_unless_same(chunks[self.rank], input.view(-1))
+        parts = [self._pending(dist.broadcast(chunk, src=self.global_rank(r), group=self.group, async_op=True),
+                               None, what) for r, chunk in enumerate(chunks)]
+        return Pending(then=lambda: wait_all(parts))
 
     def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, spec: QuantSpec,
                                  what: Describe = _unnamed, noise: Optional[torch.Generator] = None) -> Pending:
