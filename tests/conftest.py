@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -35,6 +36,20 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         distributed.test_deadline = None
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Put the environment back after each test. A test that sets up a Lightning Trainer in this
+    process leaves the launch variables there (MASTER_PORT, LOCAL_RANK, NODE_RANK) and
+    OMP_NUM_THREADS, which Lightning sets to the cores per process; every later launch inherited
+    it, and the four launches of test_main_job then ran 8 ranks of 2 OpenMP threads each on 2 cores,
+    2.5x slower than with one thread each (benchmarks/RESULTS.md, "The test suite's time")."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session", autouse=True)
