@@ -21,11 +21,11 @@ copies it out: two allocations of the output's size per call, which fragment gli
 of the 67M-parameter benchmark MLP stays at 0.98x DDP's peak resident memory with them, 0.72-0.78x
 without). One broadcast from each rank straight into its chunk of the output, issued together,
 sends the same bytes (each chunk reaches the n-1 others), allocates nothing, and on one host takes
-0.35-0.5x the time (``bench_gloo_collectives.py``, from 1 MiB over 2 ranks and from 8 MiB over 4).
-But when a rank computes with several threads and the host is oversubscribed, OpenMP's spinning
-worker threads starve the broadcasts' gloo threads (and not gloo's all-gather): 3x slower with 2
-ranks x 2 threads on 2 cores, 10x with four such jobs; with OMP_WAIT_POLICY=PASSIVE, or one thread
-per rank, the broadcasts are as fast as ever (benchmarks/RESULTS.md, 2026-12-02). So an all-gather
+0.3-0.9x the time (``bench_gloo_collectives.py``, 2 and 4 ranks, 1-128 MiB; the gain grows with
+the size). But when a rank computes with several threads and the host is oversubscribed,
+OpenMP's spinning worker threads starve the broadcasts' gloo threads (and not gloo's all-gather):
+3x slower with 2 ranks x 2 threads on 2 cores, 10x with four such jobs; with
+OMP_WAIT_POLICY=PASSIVE, or one thread per rank, the broadcasts are as fast as ever (benchmarks/RESULTS.md, 2026-12-02). So an all-gather
 of at least ``BROADCAST_GATHER_BYTES`` runs as broadcasts on gloo only while torch computes on one
 thread (``torch.get_num_threads() == 1``: what Lightning and torchrun set for several ranks on a
 CPU host with a core each), counted as the all-gather it is; otherwise, and below that size (where
