@@ -1,7 +1,7 @@
 """Stage 3 with nothing but its defaults, as users meet it, against DDP and torch FSDP2 (2 gloo ranks).
 
     python benchmarks/bench_stage3_defaults.py [--models mlp,gpt2,bert] [--steps 16] [--guard-steps 16]
-                                               [--malloc glibc,mmap]
+                                               [--malloc glibc,mmap,thp,hugetlb]
 
 For each model (the 8-block 1024-4096-1024 MLP of 67.1M parameters, transformers' GPT-2 small and
 BERT-base built from their default configs, random init) and each variant, a fresh pair of
@@ -27,7 +27,10 @@ and ``--malloc mmap`` runs every variant also with ``MALLOC_MMAP_THRESHOLD_=1310
 128 KiB go to mmap and back to the system when freed: the resident memory is the bytes in use,
 and every large allocation costs fresh pages, which the step time shows); ``--malloc thp`` sets
 ``THP_MEM_ALLOC_ENABLE=1`` instead, with which torch allocates blocks of 2 MiB and more aligned to
-2 MiB and asks for transparent huge pages for them (fewer, larger page faults).
+2 MiB and asks for transparent huge pages for them (fewer, larger page faults); ``--malloc hugetlb``
+sets ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304`` (glibc 2.35 and
+later: blocks from 4 MiB go to mmap and back when freed, and glibc asks for transparent huge pages
+for its heap and those maps, so fresh pages cost a quarter of what 4 KiB pages do).
 
 The losses of the first steps are compared with DDP's. Then the ZeRO-3 processes time the order
 guard ([Note: order guard]): ``--guard-steps`` more steps with every pass checked and with none, in
@@ -173,7 +176,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-MALLOC_ENV = {"glibc": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "thp": {"THP_MEM_ALLOC_ENABLE": "1"}}
+MALLOC_ENV = {"glibc": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "thp": {"THP_MEM_ALLOC_ENABLE": "1"},
+              "hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304"}}
 """What each ``--malloc`` choice sets in the ranks' environment (read by glibc when they start)."""
 
 
@@ -197,7 +201,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=16, help="see [Note: resident memory on glibc]")
     parser.add_argument("--malloc", default="glibc", help="comma-separated: glibc (as it comes), mmap "
                         "(MALLOC_MMAP_THRESHOLD_=131072), thp (THP_MEM_ALLOC_ENABLE=1: torch allocates blocks from "
-                        "2 MiB aligned, as transparent huge pages); see [Note: resident memory on glibc]")
+                        "2 MiB aligned, as transparent huge pages), hugetlb (GLIBC_TUNABLES: mmap from 4 MiB, huge pages); "
+                        "see [Note: resident memory on glibc]")
     parser.add_argument("--guard-steps", type=int, default=16, help="steps timing the order guard (on/off in turn)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64, help="tokens per sample (GPT-2, BERT)")

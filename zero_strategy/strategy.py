@@ -399,7 +399,8 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         return [opt for opt in self.optimizers if isinstance(opt, ZeroOptimizer)]
 
     def memory_stats(self) -> dict[str, int]:
-        """This rank's bytes in params, grads, optimizer_states and master_params (and total)."""
+        """This rank's bytes in params, grads, optimizer_states and master_params (and total), where they
+        live (device, host, disk), and the engine's reusable buffers held free (workspace, not in total)."""
         assert self.lightning_module is not None
         return memory_stats(self.lightning_module, self.optimizers)
 
