@@ -255,10 +255,11 @@ class ShardedGradientReducer(GradientReducer):
             self._staged[key] = set()
         offset = group.layout.param_offsets[i] - seg.start
         dst = staging[offset : offset + grad.numel()]
-        if i in self._staged[key]:  # a second gradient for it in this backward
-            dst.add_(grad.reshape(-1))
+        n = self.comm.world_size  # average as DDP does: divide, then sum (in the copy, one pass)
+        if i in self._staged[key]:  # a second gradient for it in this backward: a/n + b/n, equal to
+            dst.add_(grad.reshape(-1) / n if n > 1 else grad.reshape(-1))  # (a + b)/n for n a power of 2
         else:
-            dst.copy_(grad.reshape(-1))
+            torch.div(grad.reshape(-1), n, out=dst) if n > 1 else dst.copy_(grad.reshape(-1))
             self._staged[key].add(i)
         if self._rank_in_order[key] < self._next:  # see [Note: late gradients]
             self._late.add(key)
@@ -305,9 +306,7 @@ class ShardedGradientReducer(GradientReducer):
             if i not in staged and n:
                 staging[off : off + n].zero_()
         end = seg.offsets[-1] + seg.numels[-1]
-        staging[end:].zero_()
-        if self.comm.world_size > 1:
-            staging.div_(self.comm.world_size)  # average as DDP does: divide, then sum
+        staging[end:].zero_()  # the gradients in it are already divided by the world size (_on_grad)
         target = group.segment_shard(self.grad_shards[gi], seg)
         add = self._shard_filled or accumulate
         if self.host_grads[gi] is not None:  # see [Note: gradients to the host]
