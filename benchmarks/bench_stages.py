@@ -178,6 +178,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, job: str
     if job.startswith("rss:mmap:"):
         mmap_set = _set_mmap_threshold(MMAP_THRESHOLD)
     torch.set_num_threads(args.threads)
+    # what a launcher sets, which DeepSpeed reads (deepspeed3), and its CPU accelerator on CPU
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), RANK=str(rank), WORLD_SIZE=str(world))
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.device == "cuda":  # one GPU per rank (NCCL refuses two ranks on one device)
         torch.cuda.set_device(rank % torch.cuda.device_count())
     backend = "nccl" if args.device == "cuda" else "gloo"

@@ -266,8 +266,9 @@ def build_variant(name: str, args: argparse.Namespace, width: int) -> Variant:
         instrument_fsdp2(model, v._current, v.where)
         return v
     if name == "deepspeed3":
-        # Never run here (DeepSpeed is not installed where this was written): a failure is caught
-        # by the caller and reported as the reason the variant is left out.
+        # A failure (DeepSpeed not installed, or not for this accelerator) is caught by the caller
+        # and reported as the reason the variant is left out. On CPU it needs DS_ACCELERATOR=cpu
+        # and LOCAL_RANK, which bench_stages's workers set.
         import deepspeed
 
         config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
