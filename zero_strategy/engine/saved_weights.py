@@ -14,7 +14,8 @@ while the unit is released is an error naming the unit, never a read of another 
 Only the innermost saved-tensor hooks apply, so everything else is handed to the hooks that were
 in force when these were pushed (activation offload, torch's checkpointing inside a checkpointed
 module, a user's own), and those keep working as without stage 3; with none, it is kept as autograd
-would keep it. The hooks are pushed in the unit's forward and recomputation alike, so a checkpoint
+would keep it, with autograd's check that it was not modified in place meanwhile (which autograd
+itself skips for a tensor that hooks packed). The hooks are pushed in the unit's forward and recomputation alike, so a checkpoint
 around units sees the same sequence of saved tensors in both. Where hooks are disabled (inside
 torch.func transforms) nothing is pushed, and a saved weight keeps its buffer alive instead.
 """
@@ -43,8 +44,9 @@ class _InBuffer:
         if buffer is None:
             raise RuntimeError(
                 f"backward needs a weight of stage-3 unit {self.group.unit_name!r}, which is released: it was used by "
-                "a module outside the unit, after the unit's forward ended. Use each unit's parameters inside its "
-                "own modules' forward (or make that module a unit with shard_modules=[...]).")
+                "a module outside the unit, after the unit's forward ended, or (a frozen weight) after backward had "
+                "reached the unit that ran before it in forward. Use each unit's parameters inside its own modules' "
+                "forward, and the units in a chain (or make that module a unit with shard_modules=[...]).")
         return buffer.as_strided(self.size, self.stride, buffer.storage_offset() + self.offset)
 
 
@@ -61,12 +63,22 @@ class _ByOuter:
 
 
 class _Kept:
-    __slots__ = ("tensor",)
+    """A saved tensor kept as autograd keeps one, with autograd's check that it was not modified in
+    place since (autograd skips that check for tensors that saved-tensor hooks packed)."""
+
+    __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()  # not the tensor itself: a saved output would hold its own graph
+        self.version = tensor._version  # the detached tensor shares its version counter
 
     def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{self.tensor.type()} {list(self.tensor.shape)}] is at version {self.tensor._version}; expected "
+                f"version {self.version} instead (saved in the forward of a stage-3 unit's module). Make that "
+                "operation out of place (x = x + 1 for x += 1, inplace=False), as it would have to be without ZeRO.")
         return self.tensor
 
 
@@ -98,7 +110,7 @@ class SavedWeights:
                 return _InBuffer(group, tensor, group.buffer)
             if outer is not None:
                 return _ByOuter(outer[0](tensor), outer[1])
-            return _Kept(tensor.detach())  # not the tensor itself: a saved output would hold its own graph
+            return _Kept(tensor)
 
         return pack
 
