@@ -1,7 +1,9 @@
 """The engine's collectives on 4 gloo ranks, whole and split into pairs: the reduce-scatter (an
 all-to-all and a sum on gloo: [Note: reduce-scatter on gloo]) and the all-gather (broadcasts or
 gloo's own: [Note: all-gather on gloo]) give exactly the sums and concatenations they stand for,
-each path is taken where the note says, and the bytes counted are those of the collective."""
+each path is taken where the note says (broadcasts only when every rank computes on one thread, so
+ranks with other thread counts still run the same collectives), and the bytes counted are those of
+the collective."""
 
 from __future__ import annotations
 
@@ -33,14 +35,15 @@ def _check(rank: int, world_size: int) -> dict:
     dist.broadcast = counting_broadcast
     try:
         found: dict = {}
-        whole = Collectives()
-        for name, comm in (("whole", whole), ("pairs", whole.consecutive(2))):
-            n = comm.world_size
-            members = comm.global_ranks
-            for numel in (SMALL, LARGE):
-                for threads in (1, 2):
-                    torch.set_num_threads(threads)
-                    key = f"{name}/{numel}/{threads} threads"
+        # threads per rank: all one, all two, and only rank 0 on one (the ranks must agree on gloo's own)
+        for setting, threads in (("1 threads", 1), ("2 threads", 2), ("mixed threads", 1 if rank == 0 else 2)):
+            torch.set_num_threads(threads)
+            whole = Collectives()  # a new one asks the ranks again (the answer is kept per instance)
+            for name, comm in (("whole", whole), ("pairs", whole.consecutive(2))):
+                n = comm.world_size
+                members = comm.global_ranks
+                for numel in (SMALL, LARGE):
+                    key = f"{name}/{numel}/{setting}"
                     # all-gather: every member's own values, concatenated in rank order
                     before = len(broadcasts)
                     out = torch.full((n * numel,), float("nan"))
@@ -64,6 +67,7 @@ def _check(rank: int, world_size: int) -> dict:
                         found[f"reduce-scatter {how} {key}"] = torch.equal(out, want_chunk)
         torch.set_num_threads(1)
         # the bytes of the collectives, whichever way they ran
+        whole = Collectives()
         whole.begin_step()
         whole.all_gather(torch.empty(world_size * LARGE), torch.zeros(LARGE)).wait()
         whole.reduce_scatter(torch.empty(LARGE), torch.zeros(world_size * LARGE)).wait()
@@ -88,7 +92,7 @@ def test_reduce_scatter_and_all_gather_are_exact_and_take_the_path_the_notes_giv
                 exact, broadcasts = value
                 assert exact, (rank, key)
                 size = 4 if key.startswith("gather whole") else 2
-                by_broadcasts = f"/{LARGE}/1 threads" in key
+                by_broadcasts = f"/{LARGE}/1 threads" in key  # every rank on one thread, and large
                 assert broadcasts == (size if by_broadcasts else 0), (rank, key, broadcasts)
             else:
                 assert value, (rank, key)

@@ -26,10 +26,12 @@ the size). But when a rank computes with several threads and the host is oversub
 OpenMP's spinning worker threads starve the broadcasts' gloo threads (and not gloo's all-gather):
 3x slower with 2 ranks x 2 threads on 2 cores, 10x with four such jobs; with
 OMP_WAIT_POLICY=PASSIVE, or one thread per rank, the broadcasts are as fast as ever (benchmarks/RESULTS.md, 2026-12-02). So an all-gather
-of at least ``BROADCAST_GATHER_BYTES`` runs as broadcasts on gloo only while torch computes on one
-thread (``torch.get_num_threads() == 1``: what Lightning and torchrun set for several ranks on a
-CPU host with a core each), counted as the all-gather it is; otherwise, and below that size (where
-one collective's latency counts more than its bytes), it is gloo's own.
+of at least ``BROADCAST_GATHER_BYTES`` runs as broadcasts on gloo only when torch computes on one
+thread on every rank of the group (``torch.get_num_threads() == 1``: what Lightning and torchrun set
+for several ranks on a CPU host with a core each), counted as the all-gather it is; otherwise, and
+below that size (where one collective's latency counts more than its bytes), it is gloo's own. The
+ranks agree on it with one all-reduce on the group's first such all-gather, and keep the answer:
+ranks that decided alone, with other thread counts, would run different collectives and hang.
 
 [Note: quantized reduce-scatter]
 ``quantized_reduce_scatter`` (``quantized_gradients``) sends block-quantized chunks (see [Note:
@@ -134,6 +136,7 @@ class Collectives:
             self.nodes, self.counter, self._subgroups = _parent.nodes, _parent.counter, _parent._subgroups
         self.global_ranks = [self.global_rank(r) for r in range(self.world_size)]
         self.inter_node = self.nodes.spans_nodes(self.global_ranks)
+        self._by_broadcasts: Optional[bool] = None  # see _gathers_by_broadcasts
 
     def _pending(self, work: Optional[dist.Work], then: Optional[Callable[[], object]], what: Describe) -> Pending:
         return Pending(work, then, self.watchdog, what)
@@ -242,9 +245,20 @@ class Collectives:
             return Pending(then=lambda: _copy_unless_same(output, input))
         nbytes = output.numel() * output.element_size()
         self._count("all_gather", "all_gather", nbytes)
-        if self.backend == "gloo" and nbytes >= BROADCAST_GATHER_BYTES and torch.get_num_threads() == 1:
+        if self.backend == "gloo" and nbytes >= BROADCAST_GATHER_BYTES and self._gathers_by_broadcasts():
             return self._gather_by_broadcasts(output, input, what)  # see [Note: all-gather on gloo]
         return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what)
+
+    def _gathers_by_broadcasts(self) -> bool:
+        """Whether every rank of the group computes on one thread: asked of them all together on the
+        first large all-gather (ranks that chose differently would run different collectives), then
+        kept."""
+        if self._by_broadcasts is None:
+            alone = torch.tensor([int(torch.get_num_threads() == 1)], dtype=torch.int32)
+            work = dist.all_reduce(alone, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            self._pending(work, None, lambda: "all-reduce of whether every rank computes on one thread").wait()
+            self._by_broadcasts = bool(alone.item())
+        return self._by_broadcasts
 
     def _gather_by_broadcasts(self, output: torch.Tensor, input: torch.Tensor, what: Describe) -> Pending:
         chunks = output.view(self.world_size, -1)
