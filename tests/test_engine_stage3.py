@@ -109,6 +109,29 @@ def _bert_default_loss(model, step, rank):
     return model(input_ids=x, labels=y).loss
 
 
+class _AdapterBlock(nn.Module):
+    """A frozen base layer beside a trainable low-rank adapter (LoRA's pattern): backward needs the
+    frozen weight for the input's gradient after the adapter's gradients are in."""
+
+    def __init__(self, d: int = 32, r: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d).requires_grad_(False)
+        self.a = nn.Linear(d, r, bias=False)
+        self.b = nn.Linear(r, d, bias=False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.base(x) + self.b(self.a(x)))
+
+
+def _adapters():
+    return nn.Sequential(nn.Linear(8, 32), *[_AdapterBlock() for _ in range(3)], nn.Linear(32, 8))
+
+
+def _adapters_loss(model, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.randn(4, 8, generator=g))
+
+
 CASES = {
     # name: (model factory, loss, optimizer groups, config)
     "mlp-linear-units": (OddMLP, _mlp_loss, param_groups,
@@ -123,6 +146,8 @@ CASES = {
                           ZeroConfig(stage=3, shard_modules=("GPT2Block",), param_persistence_threshold=0)),
     "gpt2-defaults": (_gpt2_default_sized, _gpt2_default_loss, lambda m: m.parameters(), ZeroConfig(stage=3)),
     "bert-defaults": (_bert_default_sized, _bert_default_loss, lambda m: m.parameters(), ZeroConfig(stage=3)),
+    "frozen-base-adapters": (_adapters, _adapters_loss, lambda m: [p for p in m.parameters() if p.requires_grad],
+                             ZeroConfig(stage=3, shard_modules=("_AdapterBlock",), param_persistence_threshold=0)),
 }
 DEFAULT_CASES = ("gpt2-defaults", "bert-defaults")
 
@@ -283,3 +308,67 @@ def test_edits_under_gathered_parameters_are_kept_in_a_world_of_one():
         model[0].weight.fill_(3.0)
     assert model[0].weight.shape == (0,)  # released again
     assert torch.equal(sharder.full_state_dict()["0.weight"], torch.full((16, 8), 3.0))
+
+
+def test_an_in_place_change_of_a_tensor_saved_inside_a_unit_is_refused_as_without_zero():
+    # the saved-tensor hooks of [Note: saved weights] pack every tensor a unit's forward saves, and
+    # autograd skips its own version check for packed tensors: the hooks must check it themselves
+    class ExpThenInPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.exp(self.fc(x))  # exp saves its output for backward...
+            h.add_(1.0)  # ...which is then changed: backward would use the wrong values
+            return h
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ExpThenInPlace(), ExpThenInPlace())
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as without_zero:
+        plain(x).sum().backward()
+    shard_module(model, ZeroConfig(stage=3, shard_modules=("ExpThenInPlace",), param_persistence_threshold=0))
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch.FloatTensor \[2, 8\]\] is at "
+                                           r"version 1; expected version 0 instead \(saved in the forward of a stage-3"):
+        model(x).sum().backward()
+    assert "is at version 1; expected version 0 instead" in str(without_zero.value)  # the same versions as torch's
+
+
+def test_a_gather_that_fails_in_a_units_pre_forward_leaves_every_unit_releasable():
+    # the post-forward hook runs even when the pre-forward hook raised (always_call): it must not
+    # count a forward that never began, or the unit stays gathered and the next steps go wrong
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    reference = copy.deepcopy(model)
+    config = ZeroConfig(stage=3, shard_modules=("Linear",), param_persistence_threshold=0, prefetch=False)
+    sharder = shard_module(model, config)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config, sharder=sharder)
+    take, calls = sharder.pool.take, []
+
+    def failing_take(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the third unit's gather
+            raise torch.OutOfMemoryError("simulated: no memory for the gather buffer")
+        return take(*args, **kwargs)
+
+    sharder.pool.take = failing_take
+    x = torch.randn(4, 64)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        model(x).sum().backward()
+    sharder.backward_finished()  # the step is abandoned, as after a caught out-of-memory error
+    assert [u.users for u in sharder.units] == [0] * 4
+    opt.zero_grad()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        reference(x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert [u.users for u in sharder.units] == [0] * 4 and not [u for u in sharder.units if u.gathered]
+    full = sharder.full_state_dict()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=1e-6, msg=name)

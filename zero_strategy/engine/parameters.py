@@ -10,7 +10,11 @@ modules' hooks, in the order the model runs them, with prefetch and the order gu
   or when the pass ends. With grad enabled, a hook on the module's outputs gathers it again when
   backward reaches them.
 - backward: the unit is released once all its trainable parameters have handed over their
-  gradients (the gradient reducer says so), or when backward ends.
+  gradients (the gradient reducer says so), or when backward ends. A unit with frozen parameters
+  (a frozen base weight beside trainable adapters) is not: backward may still need a frozen weight
+  for the gradient of the unit's input after the trainable gradients are in. It is released when
+  backward reaches the unit that ran before it in forward (the gradient of that unit's outputs,
+  this unit's inputs, is complete by then), or when backward ends.
 - recomputation: a unit's forward run *during* backward (non-reentrant activation checkpointing
   recomputes a checkpointed module that contains units) gathers it but neither releases it nor
   counts as forward order: the unit's own backward comes next, and its gradients' hand-over
@@ -181,6 +185,9 @@ class ParameterSharder:
         self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
         self._prev_of: dict[Unit, Unit] = {}
         self._last: Optional[Unit] = None  # the unit entered last in this forward pass
+        # (unit, module) of each module forward whose pre-hook completed and whose post-hook has not
+        # run: the post-hook runs even when the pre-hook raised (always_call), and must then undo nothing
+        self._entered: list[tuple[Unit, nn.Module]] = []
         self._root_held_for_step = False
         self._in_pass = False  # between _begin_pass and _end_pass
         self._reduced: set[int] = set()  # ids of groups whose gradients were handed over in this backward
@@ -341,22 +348,25 @@ class ParameterSharder:
             self._end_pass()
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
-        self.saved_weights.push()  # see [Note: saved weights] in saved_weights.py
         if _in_backward():  # a recomputation: see [Note: when units are gathered]
             self.gather(unit, RECOMPUTE)
-            unit.users += 1
-            return
-        previous = self._last
-        if previous is not None and previous is not unit:
-            self._next_of[previous] = unit
-            self._prev_of[unit] = previous
-            previous.release()  # done with, unless a forward of its own is still running (nesting)
-        self._last = unit
-        self.gather(unit, FORWARD, context=previous)
+        else:
+            previous = self._last
+            if previous is not None and previous is not unit:
+                self._next_of[previous] = unit
+                self._prev_of[unit] = previous
+                previous.release()  # done with, unless a forward of its own is still running (nesting)
+            self._last = unit
+            self.gather(unit, FORWARD, context=previous)
+            self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
         unit.users += 1
-        self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
+        self.saved_weights.push()  # see [Note: saved weights] in saved_weights.py
+        self._entered.append((unit, module))
 
     def _post_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
+        if not self._entered or self._entered[-1][0] is not unit or self._entered[-1][1] is not module:
+            return  # its pre-hook raised (a failed gather, the order guard): nothing to undo
+        self._entered.pop()
         self.saved_weights.pop()
         unit.users -= 1
         if _in_backward():
@@ -375,6 +385,9 @@ class ParameterSharder:
     def _pre_backward(self, unit: Unit, grad) -> None:
         self.gather(unit, BACKWARD)
         if unit is not self.root:
+            after = self._next_of.get(unit)  # see [Note: when units are gathered], frozen parameters
+            if after is not None and after.has_frozen and after.release():
+                after.drop_secondary()
             self._prefetch(self._prev_of.get(unit), PREFETCH_BACKWARD, unit)
 
     def _prefetch(self, unit: Optional[Unit], phase: int, context: Unit) -> None:
@@ -403,8 +416,8 @@ class ParameterSharder:
         """Backward has produced all of ``group``'s gradients: its unit goes once all its groups did."""
         self._reduced.add(id(group))
         unit = self._unit_of_group.get(id(group))
-        if unit is not None and unit is not self.root:
-            if all(id(g) in self._reduced for g in unit.groups if g.params[0].requires_grad):
+        if unit is not None and unit is not self.root and not unit.has_frozen:
+            if all(id(g) in self._reduced for g in unit.groups):
                 unit.release()
                 unit.drop_secondary()  # backward is done with it
 

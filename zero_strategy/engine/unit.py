@@ -43,6 +43,11 @@ class Unit:
         self._pending: list[Pending] = []
 
     @property
+    def has_frozen(self) -> bool:
+        """Whether some of its parameters are frozen now (see [Note: when units are gathered])."""
+        return any(not p.requires_grad for g in self.groups for p in g.params)
+
+    @property
     def gathered(self) -> bool:
         """Whether the full buffers exist (all-gathers may still be in flight)."""
         return self.state is not UnitState.RELEASED
