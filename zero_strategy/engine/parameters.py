@@ -14,7 +14,8 @@ modules' hooks, in the order the model runs them, with prefetch and the order gu
   (a frozen base weight beside trainable adapters) is not: backward may still need a frozen weight
   for the gradient of the unit's input after the trainable gradients are in. It is released when
   backward reaches the unit that ran before it in forward (the gradient of that unit's outputs,
-  this unit's inputs, is complete by then), or when backward ends.
+  this unit's inputs, is complete by then) unless that unit contains it (their outputs may be the
+  same tensors), or when backward ends.
 - recomputation: a unit's forward run *during* backward (non-reentrant activation checkpointing
   recomputes a checkpointed module that contains units) gathers it but neither releases it nor
   counts as forward order: the unit's own backward comes next, and its gradients' hand-over
@@ -188,6 +189,7 @@ class ParameterSharder:
         # (unit, module) of each module forward whose pre-hook completed and whose post-hook has not
         # run: the post-hook runs even when the pre-hook raised (always_call), and must then undo nothing
         self._entered: list[tuple[Unit, nn.Module]] = []
+        self._nesting: dict[tuple[int, int], bool] = {}  # see _nested
         self._root_held_for_step = False
         self._in_pass = False  # between _begin_pass and _end_pass
         self._reduced: set[int] = set()  # ids of groups whose gradients were handed over in this backward
@@ -205,7 +207,7 @@ class ParameterSharder:
                     self._handles.append(mod.register_forward_hook(_eager(functools.partial(self._post_forward, unit)),
                                                                    always_call=True))  # pops the saved-tensor hooks
             self._handles.append(self.module.register_forward_pre_hook(_eager(self._pre_forward_root)))
-            self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root)))
+            self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root), always_call=True))
             for unit in self.all_units:
                 for g in unit.groups:
                     for p in g.params:
@@ -334,8 +336,11 @@ class ParameterSharder:
             self._begin_pass()
         self.gather(self.root, RECOMPUTE if _in_backward() else FORWARD)
         self.root.users += 1
+        self._entered.append((self.root, module))
 
     def _post_forward_root(self, module: nn.Module, args, output) -> None:
+        if not self._exit(self.root, module):
+            return
         self.root.users -= 1
         if _in_backward() or self.root.users:
             return
@@ -363,10 +368,17 @@ class ParameterSharder:
         self.saved_weights.push()  # see [Note: saved weights] in saved_weights.py
         self._entered.append((unit, module))
 
-    def _post_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
+    def _exit(self, unit: Unit, module: nn.Module) -> bool:
+        """A module's forward ended (its post-hook runs even when it raised: always_call): whether
+        its pre-hook had completed, so that there is something to undo."""
         if not self._entered or self._entered[-1][0] is not unit or self._entered[-1][1] is not module:
-            return  # its pre-hook raised (a failed gather, the order guard): nothing to undo
+            return False  # its pre-hook raised (a failed gather, the order guard)
         self._entered.pop()
+        return True
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
+        if not self._exit(unit, module):
+            return
         self.saved_weights.pop()
         unit.users -= 1
         if _in_backward():
@@ -386,9 +398,18 @@ class ParameterSharder:
         self.gather(unit, BACKWARD)
         if unit is not self.root:
             after = self._next_of.get(unit)  # see [Note: when units are gathered], frozen parameters
-            if after is not None and after.has_frozen and after.release():
+            if after is not None and after.has_frozen and not self._nested(after, unit) and after.release():
                 after.drop_secondary()
             self._prefetch(self._prev_of.get(unit), PREFETCH_BACKWARD, unit)
+
+    def _nested(self, inner: Unit, outer: Unit) -> bool:
+        """Whether one of ``inner``'s modules lies inside one of ``outer``'s (whose outputs may then
+        be ``inner``'s own, their gradient reaching both units at once)."""
+        key = (inner.index, outer.index)
+        if key not in self._nesting:
+            within = {id(m) for top in outer.modules for m in top.modules()}
+            self._nesting[key] = any(id(m) in within for m in inner.modules)
+        return self._nesting[key]
 
     def _prefetch(self, unit: Optional[Unit], phase: int, context: Unit) -> None:
         if self.config.prefetch and unit is not None and unit.state is UnitState.RELEASED:
