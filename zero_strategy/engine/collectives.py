@@ -25,13 +25,15 @@ sends the same bytes (each chunk reaches the n-1 others), allocates nothing, and
 the size). But when a rank computes with several threads and the host is oversubscribed,
 OpenMP's spinning worker threads starve the broadcasts' gloo threads (and not gloo's all-gather):
 3x slower with 2 ranks x 2 threads on 2 cores, 10x with four such jobs; with
-OMP_WAIT_POLICY=PASSIVE, or one thread per rank, the broadcasts are as fast as ever (benchmarks/RESULTS.md, 2026-12-02). So an all-gather
-of at least ``BROADCAST_GATHER_BYTES`` runs as broadcasts on gloo only when torch computes on one
-thread on every rank of the group (``torch.get_num_threads() == 1``: what Lightning and torchrun set
-for several ranks on a CPU host with a core each), counted as the all-gather it is; otherwise, and
-below that size (where one collective's latency counts more than its bytes), it is gloo's own. The
-ranks agree on it with one all-reduce on the group's first such all-gather, and keep the answer:
-ranks that decided alone, with other thread counts, would run different collectives and hang.
+OMP_WAIT_POLICY=PASSIVE, or one thread per rank, the broadcasts are as fast as ever
+(benchmarks/RESULTS.md, 2026-12-02). So an all-gather of at least ``BROADCAST_GATHER_BYTES`` runs
+as broadcasts on gloo only when torch computes on one thread on every rank of the group
+(``torch.get_num_threads() == 1``: what Lightning and torchrun set for several ranks on a CPU host
+with a core each), counted as the all-gather it is; otherwise, and below that size (where one
+collective's latency counts more than its bytes), it is gloo's own. The ranks agree on it with one
+all-reduce on the group's first such all-gather, and keep the answer: ranks that decided alone,
+with other thread counts, would run different collectives and hang. That all-reduce (4 bytes,
+once) is set-up, not a step's traffic, so ``comm_stats()`` does not count it.
 
 [Note: quantized reduce-scatter]
 ``quantized_reduce_scatter`` (``quantized_gradients``) sends block-quantized chunks (see [Note:
@@ -255,6 +257,7 @@ class Collectives:
         kept."""
         if self._by_broadcasts is None:
             alone = torch.tensor([int(torch.get_num_threads() == 1)], dtype=torch.int32)
+            # not self.all_reduce: set-up, uncounted (see [Note: all-gather on gloo])
             work = dist.all_reduce(alone, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
             self._pending(work, None, lambda: "all-reduce of whether every rank computes on one thread").wait()
             self._by_broadcasts = bool(alone.item())

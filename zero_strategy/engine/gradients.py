@@ -255,11 +255,11 @@ class ShardedGradientReducer(GradientReducer):
             self._staged[key] = set()
         offset = group.layout.param_offsets[i] - seg.start
         dst = staging[offset : offset + grad.numel()]
-        n = self.comm.world_size  # average as DDP does: divide, then sum (in the copy, one pass)
+        flat, n = grad.reshape(-1), self.comm.world_size  # average as DDP does: divide, then sum
         if i in self._staged[key]:  # a second gradient for it in this backward: a/n + b/n, equal to
-            dst.add_(grad.reshape(-1) / n if n > 1 else grad.reshape(-1))  # (a + b)/n for n a power of 2
+            dst.add_(flat / n)  # (a + b)/n for n a power of 2
         else:
-            torch.div(grad.reshape(-1), n, out=dst) if n > 1 else dst.copy_(grad.reshape(-1))
+            torch.div(flat, n, out=dst)  # the copy into staging, divided in the same pass (exact for n = 1)
             self._staged[key].add(i)
         if self._rank_in_order[key] < self._next:  # see [Note: late gradients]
             self._late.add(key)
