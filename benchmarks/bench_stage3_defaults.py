@@ -30,7 +30,7 @@ and every large allocation costs fresh pages, which the step time shows); ``--ma
 2 MiB and asks for transparent huge pages for them (fewer, larger page faults); ``--malloc hugetlb``
 sets ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304`` (glibc 2.35 and
 later: blocks from 4 MiB go to mmap and back when freed, and glibc asks for transparent huge pages
-for its heap and those maps, so fresh pages cost a quarter of what 4 KiB pages do).
+for its heap and those maps, so fresh memory takes fewer, larger page faults).
 
 The losses of the first steps are compared with DDP's. Then the ZeRO-3 processes time the order
 guard ([Note: order guard]): ``--guard-steps`` more steps with every pass checked and with none, in
