@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from zero_strategy import ZeroConfig, ZeroOptimizer, estimate_memory, gathered_parameters, memory_stats
 from zero_strategy.engine import shard_module
-from zero_strategy.engine.offload import DiskState, host_optimizer_kwargs, plan_tiles, TilePart
+from zero_strategy.engine.offload import DiskState, host_optimizer_kwargs
+from zero_strategy.engine.tiled_step import TilePart, plan_tiles
 
 from .distributed import run_distributed
 from .models import OddMLP, batch, param_groups

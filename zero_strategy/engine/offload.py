@@ -38,12 +38,12 @@ import shutil
 import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .state import is_elementwise
+from .tiled_step import PieceKey, Settings, TilePart, copy_scalar, step_views
 
 HOST = torch.device("cpu")
 
@@ -87,48 +87,6 @@ def host_optimizer_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     elif "foreach" in params:
         out["foreach"] = True
     return out
-
-
-@dataclass(frozen=True)
-class TilePart:
-    """Elements ``[start, end)`` (of the rank's flat shard) of one piece, inside one tile."""
-
-    group: int
-    piece: int
-    start: int
-    end: int
-
-
-def plan_tiles(shard_ranges: Sequence[Sequence[tuple[int, int]]], tile_numel: int,
-               split_pieces: bool) -> list[list[TilePart]]:
-    """Cut the pieces (``shard_ranges[group][piece] = (start, end)``) into tiles of about
-    ``tile_numel`` elements, in order. Without ``split_pieces`` a piece larger than a tile is a
-    tile of its own; with it, every tile holds at most ``tile_numel`` elements."""
-    tiles: list[list[TilePart]] = []
-    current: list[TilePart] = []
-    used = 0
-    for gi, ranges in enumerate(shard_ranges):
-        for pi, (start, end) in enumerate(ranges):
-            if not split_pieces:
-                if current and used + (end - start) > tile_numel:
-                    tiles.append(current)
-                    current, used = [], 0
-                current.append(TilePart(gi, pi, start, end))
-                used += end - start
-                continue
-            while True:
-                if used >= tile_numel:
-                    tiles.append(current)
-                    current, used = [], 0
-                stop = min(end, start + tile_numel - used)
-                current.append(TilePart(gi, pi, start, stop))
-                used += stop - start
-                if stop >= end:
-                    break
-                start = stop
-    if current:
-        tiles.append(current)
-    return tiles
 
 
 class DiskState:
@@ -208,9 +166,6 @@ class DiskState:
         return self._io.submit(fn, *args)
 
 
-PieceKey = tuple[int, int]  # (flat group index, piece index)
-
-
 class DiskStepper:
     """Steps the optimizer tile by tile, its elementwise state on disk: see [Note: optimizer state
     on disk]. Tile coordinates are offsets in the rank's flat shard of each group."""
@@ -225,8 +180,7 @@ class DiskStepper:
     # ---- the step --------------------------------------------------------------------------
 
     def step(self, masters: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]],
-             grads: dict[PieceKey, torch.Tensor], state: dict[torch.Tensor, dict[str, Any]],
-             settings: Callable[[int, int], Optional[tuple[int, dict[str, Any]]]],
+             grads: dict[PieceKey, torch.Tensor], state: dict[torch.Tensor, dict[str, Any]], settings: Settings,
              on_tile_done: Callable[[list[TilePart]], None]) -> None:
         """One optimizer step of the pieces in ``grads`` (host gradients, shaped like the pieces).
 
@@ -248,33 +202,20 @@ class DiskStepper:
             if n + 1 < len(tiles):  # read ahead while this tile steps: see [Note: optimizer state on disk]
                 reading = self.disk.submit(self._read, tiles[n + 1])
             spans = self._spans(parts)
-            groups: dict[int, dict[str, Any]] = {}
-            scratch_state: dict[torch.Tensor, dict[str, Any]] = {}
-            tensors = []
+            views = []
             for part in parts:
                 key = (part.group, part.piece)
                 lo, hi = part.start - offsets[part.group][part.piece], part.end - offsets[part.group][part.piece]
-                t = masters[part.group][part.piece][lo:hi]
-                t.grad = grads[key][lo:hi]
-                index, hyper = settings(*key)  # type: ignore[misc]
-                groups.setdefault(index, {**hyper, "params": []})["params"].append(t)
-                scalars = state.get(masters[part.group][part.piece], {})
-                entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
+                entry = {k: copy_scalar(v) for k, v in state.get(masters[part.group][part.piece], {}).items()}
                 span_lo = spans[part.group][0]
                 for k in self.keys.get(key, ()):
                     entry[k] = loaded[(part.group, k)][part.start - span_lo : part.end - span_lo]
-                if entry:
-                    scratch_state[t] = entry
-                tensors.append(t)
-            opt = self.cls(list(groups.values()), **self.kwargs)
-            for t, entry in scratch_state.items():
-                opt.state[t] = entry
-            opt.step()
-            for part, t in zip(parts, tensors):
-                t.grad = None
+                views.append((masters[part.group][part.piece][lo:hi], grads[key][lo:hi], settings(*key), entry))
+            stepped = step_views(self.cls, self.kwargs, views)
+            for part, (t, *_) in zip(parts, views):
                 key = (part.group, part.piece)
                 span_lo, span_hi = spans[part.group]
-                for k, v in opt.state[t].items():
+                for k, v in stepped[t].items():
                     if not is_elementwise(v):
                         new_scalars.setdefault(key, {})[k] = v
                         continue

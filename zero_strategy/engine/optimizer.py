@@ -43,11 +43,12 @@ from .collectives import Collectives, wait_all
 from .flat import FlatGroup
 from .gradients import make_reducer
 from .layout import Piece
-from .offload import HOST, DiskState, DiskStepper, host_optimizer_kwargs, plan_tiles, wait_for_copies
+from .offload import HOST, DiskState, DiskStepper, host_optimizer_kwargs, wait_for_copies
 from .parameters import ParameterSharder
 from .scaler import LossScaler
 from .step_grads import StepGradients
 from .state import consolidate_state, shard_state
+from .tiled_step import CPU_TILE_NUMEL, TiledStep, plan_tiles
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
@@ -183,6 +184,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self._step = StepGradients()  # see [Note: state behind LightningOptimizer] in step_grads.py
         self._tiles, self._disk = self._plan_offload(config, type(optimizer), kwargs)
+        self._tiled = None  # the CPU step in tiles: see [Note: the CPU step in tiles] in tiled_step.py
+        if self._device.type == "cpu" and not self.offloaded:
+            self._tiled = TiledStep(plan_tiles(self._shard_ranges(), CPU_TILE_NUMEL, split_pieces=True),
+                                    type(optimizer), kwargs)
         if type(self) is ZeroOptimizer:
             self.__class__ = _named_like(type(optimizer))
 
@@ -196,11 +201,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self.offloaded:
             return [], None
         tile_numel = max(1, int(config.offload_tile_mb * 2**20) // 4)  # MiB of fp32 master weights
-        ranges = [[(p.shard_offset, p.shard_offset + p.numel) for p in g.pieces] for g in self.groups]
+        ranges = self._shard_ranges()
         if config.offload_dir is None:
             return plan_tiles(ranges, tile_numel, split_pieces=False), None
         disk = DiskState(config.offload_dir, self.comm.rank, [g.layout.shard_numel for g in self.groups])
         return [], DiskStepper(disk, plan_tiles(ranges, tile_numel, split_pieces=True), cls, kwargs)
+
+    def _shard_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per group, each piece's elements ``[start, end)`` in this rank's shard."""
+        return [[(p.shard_offset, p.shard_offset + p.numel) for p in g.pieces] for g in self.groups]
+
+    def _piece_offsets(self) -> list[list[int]]:
+        return [[p.shard_offset for p in g.pieces] for g in self.groups]
+
+    def _settings_of(self) -> Callable[[int, int], tuple[int, dict[str, Any]]]:
+        """A piece's param group (index, hyperparameters as the inner optimizer has them now)."""
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
+
+        def settings_of(gi: int, pi: int) -> tuple[int, dict[str, Any]]:
+            index = self._user_group[gi][pi]
+            return index, settings[index]
+
+        return settings_of
 
     def pieces(self) -> Iterator[PieceRef]:
         """Every piece this rank steps, with the tensor the inner optimizer updates for it (its state
@@ -282,9 +304,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._step.materialize()
             assert self._step.pairs is not None
             if not kernels.optimizer_step(self.inner, grads=dict(self._step.pairs)):
-                for master, grad in self._step.pairs:
-                    master.grad = grad
-                self.inner.step()
+                self._torch_step()
             for g in self.groups:
                 g.write_back()
         if self.scaler is not None:
@@ -312,6 +332,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g.release()
         return True
 
+    def _torch_step(self) -> None:
+        """The inner optimizer's own update of the pieces that have gradients (on CPU in tiles)."""
+        assert self._step.pairs is not None
+        if self._tiled is not None:
+            grads = {where: grad.reshape(-1) for where, (_, grad) in zip(self._step.where, self._step.pairs)}
+            self._tiled.step(self._pieces, self._piece_offsets(), grads, self.inner.state, self._settings_of())
+            return
+        for master, grad in self._step.pairs:
+            master.grad = grad
+        self.inner.step()
+
     def _step_on_host(self) -> None:
         """The step on host tensors, tile by tile: see [Note: offloaded step]."""
         assert self._step.pairs is not None
@@ -325,14 +356,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g.write_back_piece(piece, part.start - piece.shard_offset, part.end - piece.shard_offset)
 
         if self._disk is not None:
-            settings = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
-
-            def settings_of(gi: int, pi: int):
-                index = self._user_group[gi][pi]
-                return index, settings[index]
-
-            offsets = [[p.shard_offset for p in g.pieces] for g in self.groups]
-            self._disk.step(self._pieces, offsets, grad_of, self.inner.state, settings_of, written)
+            self._disk.step(self._pieces, self._piece_offsets(), grad_of, self.inner.state, self._settings_of(), written)
         else:
             for tile in self._tiles:
                 live = [p for p in tile if (p.group, p.piece) in grad_of]
@@ -423,7 +447,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._disk is None:
             yield
             return
-        offsets = [[p.shard_offset for p in g.pieces] for g in self.groups]
+        offsets = self._piece_offsets()
         self._disk.materialize(self._pieces, offsets, self.inner.state)
         try:
             yield
@@ -440,7 +464,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.inner.param_groups[:] = [self._for_host(g) for g in self.inner.param_groups]
             self._keep_state_on_host()
         if self._disk is not None:
-            self._disk.spill(self._pieces, [[p.shard_offset for p in g.pieces] for g in self.groups], self.inner.state)
+            self._disk.spill(self._pieces, self._piece_offsets(), self.inner.state)
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank sent since the step before the last one ended, through the last one's end
