@@ -335,3 +335,10 @@ def test_every_front_end_takes_every_engine_setting_with_its_default():
     strategy = ZeroStrategy(stage=3, quantized_weights=True, secondary_partition_size=2, collective_timeout=30.0)
     assert (strategy.config.quantized_weights, strategy.config.secondary_partition_size,
             strategy.config.collective_timeout) == (True, 2, 30.0)
+
+
+def test_cpu_mmap_threshold_is_checked():
+    for bad in (0, -1, 33, True, "4", float("nan")):
+        with pytest.raises(ValueError, match=f"cpu_mmap_threshold_mb={bad!r}.*at most 32"):
+            ZeroConfig(cpu_mmap_threshold_mb=bad)
+    assert ZeroConfig(cpu_mmap_threshold_mb=None).cpu_mmap_threshold_mb is None

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroOptimizer, estimate_memory, memory_stats
+from zero_strategy.engine import shard_module
 from zero_strategy.engine.gradients import MAX_INFLIGHT
 
 from .distributed import run_distributed
@@ -143,3 +144,46 @@ def test_stage3_holds_half_of_everything():
         assert 4 * trainable / 2 * 0.99 <= stats["grads"] <= 4 * trainable / 2 * 1.01 + (MAX_INFLIGHT + 1) * largest_unit
         assert stats["optimizer_states"] - 4 * pieces == pytest.approx(8 * trainable / 2, rel=0.01)
         assert stats["master_params"] == 0
+
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _freed_block_after_training(threshold_mb) -> tuple[int, int, int]:
+    """Resident bytes before, with and after freeing a 6 MiB tensor, once a stage-3 engine with
+    ``cpu_mmap_threshold_mb=threshold_mb`` has trained two steps (whose frees of 16 MiB blocks raise
+    glibc's own threshold above 6 MiB)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+    config = ZeroConfig(stage=3, cpu_mmap_threshold_mb=threshold_mb)
+    sharder = shard_module(model, config)
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), config, sharder=sharder)
+    for _ in range(2):
+        model(torch.randn(4, 1024)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    before = _rss()
+    block = torch.ones(3 * 2**19)  # 6 MiB, every page touched
+    held = _rss()
+    del block
+    return before, held, _rss()
+
+
+def _freed_blocks_without_and_with_the_threshold(rank: int, world_size: int) -> list[tuple[int, int, int]]:
+    # in this order: once set, the threshold is the process's for good
+    return [_freed_block_after_training(None), _freed_block_after_training(ZeroConfig().cpu_mmap_threshold_mb)]
+
+
+@pytest.mark.timeout(120)
+def test_on_cpu_the_engine_makes_freed_blocks_leave_the_process():
+    """[Note: glibc's mmap threshold]: with ``cpu_mmap_threshold_mb=None`` glibc's heap keeps a freed
+    block; with the default a block of 4 MiB or more goes back to the system. A fresh process, since
+    the pool's workers have set the threshold already."""
+    MiB = 2**20
+    [[(before, held, after), (before_set, held_set, after_set)]] = run_distributed(
+        _freed_blocks_without_and_with_the_threshold, 1, fresh=True)
+    assert after >= held - MiB, (before, held, after)  # freeing it returned nothing to the system
+    assert held_set - before_set >= 5 * MiB and after_set - before_set <= MiB, (before_set, held_set, after_set)

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 SUPPORTED_STAGES = (1, 2, 3)
 
+MAX_MMAP_THRESHOLD_MB = 32
+"""glibc's largest mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): see cpu_mmap_threshold_mb."""
+
 
 @dataclass(frozen=True)
 class ZeroConfig:
@@ -97,6 +100,12 @@ class ZeroConfig:
     timeout. 10 minutes is a third of the process group's default of 30: a healthy collective never
     waits that long, while a rank held up by a slow checkpoint write or a long validation still has time."""
 
+    cpu_mmap_threshold_mb: Optional[float] = 4.0
+    """On CPU with glibc: blocks of this many MiB or more get pages of their own from malloc, given
+    back to the system when freed, so that the memory a step frees leaves the process (see [Note:
+    glibc's mmap threshold] in engine/malloc.py). Set for the whole process once the engine is set
+    up; at most 32 (glibc's limit). None leaves glibc's own rule, whose heap keeps freed blocks."""
+
     quantized_weights: bool = False
     """Stage 3: all-gather parameters block-quantized to int8 (one fp32 scale per
     ``quantization_block_size`` elements; ZeRO++'s qwZ), in forward and backward: about a quarter of
@@ -146,6 +155,11 @@ class ZeroConfig:
                                     or not math.isfinite(timeout) or timeout <= 0):
             raise ValueError(f"collective_timeout={timeout!r} must be a positive number of seconds, or None to wait "
                              "as long as the process group's timeout.")
+        mmap = self.cpu_mmap_threshold_mb
+        if mmap is not None and (isinstance(mmap, bool) or not isinstance(mmap, (int, float)) or not math.isfinite(mmap)
+                                 or not 0 < mmap <= MAX_MMAP_THRESHOLD_MB):
+            raise ValueError(f"cpu_mmap_threshold_mb={mmap!r} must be a number of MiB above 0 and at most "
+                             f"{MAX_MMAP_THRESHOLD_MB} (glibc's limit; 4 is the default), or None to leave glibc's own rule.")
         if not isinstance(self.check_unit_order, bool):
             raise ValueError(f"check_unit_order={self.check_unit_order!r} must be True or False.")
         every = self.check_unit_order_every

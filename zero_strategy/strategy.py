@@ -106,6 +106,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         check_unit_order: bool = True,
         check_unit_order_every: int = 10,
         collective_timeout: Optional[float] = 600.0,
+        cpu_mmap_threshold_mb: Optional[float] = 4.0,
         quantized_weights: bool = False,
         quantized_gradients: Union[bool, str, None] = None,
         quantization_block_size: int = 256,

@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_flatten
 from ..config import ZeroConfig
 from .collectives import Collectives
 from .flat import FlatGroup, ResidentGroup, ShardedGroup
+from .malloc import set_mmap_threshold
 from .order_guard import BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE, OrderGuard
 from .pool import BufferPool
 from .saved_weights import SavedWeights
@@ -154,6 +155,8 @@ class ParameterSharder:
             what = type(module).__name__ if self.module is not None else "the optimizer's parameter list"
             raise ValueError(f"{what} has no trainable parameter (every requires_grad is False), so there is nothing "
                              "to train; unfreeze some parameters (requires_grad_(True)).")
+        if (device or params[0].device).type == "cpu":  # before sharding frees the whole parameters
+            set_mmap_threshold(config.cpu_mmap_threshold_mb)  # see [Note: glibc's mmap threshold] in malloc.py
         self.pool = BufferPool()  # the full buffers of gathered units: see [Note: reused buffers] in pool.py
         self.saved_weights = SavedWeights(self.pool)  # see [Note: saved weights] in saved_weights.py
         self._owners: dict[nn.Parameter, list[nn.Module]] = {}
