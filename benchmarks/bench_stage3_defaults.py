@@ -14,6 +14,8 @@ bytes x parameters / N. Variants:
 - ``ddp``: torch DistributedDataParallel;
 - ``zero3``: ``ZeroConfig(stage=3)`` with no other option, the engine ``Trainer(strategy="zero_stage_3")``
   runs (units chosen by size: see [Note: default units] in zero_strategy/engine/unit_plan.py);
+- ``zero3_heap`` (only when asked for): the same with ``cpu_mmap_threshold_mb=None``, glibc's malloc
+  left as it comes (see [Note: glibc's mmap threshold] in zero_strategy/engine/malloc.py);
 - ``fsdp2``: ``fully_shard`` on each block (the MLP's blocks, GPT2Block, BertLayer) and the root.
 
 [Note: resident memory on glibc]
@@ -55,7 +57,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-VARIANTS = ("ddp", "zero3", "fsdp2")
+VARIANTS = ("ddp", "zero3", "zero3_heap", "fsdp2")
+DEFAULT_VARIANTS = "ddp,zero3,fsdp2"
 
 
 class Block(nn.Module):
@@ -115,8 +118,8 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, model_name: 
     if variant == "ddp":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         forward = nn.parallel.DistributedDataParallel(model)
-    elif variant == "zero3":
-        config = ZeroConfig(stage=3)
+    elif variant.startswith("zero3"):
+        config = ZeroConfig(stage=3) if variant == "zero3" else ZeroConfig(stage=3, cpu_mmap_threshold_mb=None)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
         sharder = shard_module(model, config)
         opt = ZeroOptimizer(inner, config, sharder=sharder)
@@ -203,11 +206,15 @@ def main(argv=None) -> None:
                         "(MALLOC_MMAP_THRESHOLD_=131072), thp (THP_MEM_ALLOC_ENABLE=1: torch allocates blocks from "
                         "2 MiB aligned, as transparent huge pages), hugetlb (GLIBC_TUNABLES: mmap from 4 MiB, huge pages); "
                         "see [Note: resident memory on glibc]")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of {','.join(VARIANTS)}")
     parser.add_argument("--guard-steps", type=int, default=16, help="steps timing the order guard (on/off in turn)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64, help="tokens per sample (GPT-2, BERT)")
     args = parser.parse_args(argv)
     unknown = [m for m in args.malloc.split(",") if m not in MALLOC_ENV]
+    args.variants = args.variants.split(",")
+    if not {"ddp", "zero3"} <= set(args.variants) or any(v not in VARIANTS for v in args.variants):
+        parser.error(f"--variants {','.join(args.variants)}: choose among {', '.join(VARIANTS)}, ddp and zero3 among them")
     if unknown:
         parser.error(f"--malloc {','.join(unknown)}: choose among {', '.join(MALLOC_ENV)}, comma-separated")
     from zero_strategy import ZeroConfig
@@ -217,7 +224,7 @@ def main(argv=None) -> None:
           f"{args.steps} steps; torch {torch.__version__}")
     for model_name in args.models.split(","):
         for malloc in args.malloc.split(","):
-            results = {v: measure(args, model_name, v, malloc) for v in VARIANTS}
+            results = {v: measure(args, model_name, v, malloc) for v in args.variants}
             ddp = results["ddp"]
             print(f"\n{model_name}: {ddp[0]['params'] / 1e6:.1f}M parameters, malloc: {malloc} "
                   f"{MALLOC_ENV[malloc] or '(as it comes)'}")

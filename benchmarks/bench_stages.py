@@ -43,9 +43,11 @@ Memory, two columns:
   the peak (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``) after building and then
   per phase of every step, and the table gives the training peak above that pre-model baseline
   (the init peak is in the JSON), plus the last step phase by phase. Each variant runs twice:
-  with glibc's malloc as it comes (what a user sees; freed tensors partly stay in the heap) and
-  with its mmap threshold at 128 KiB, so that freed tensors go back to the OS at once and the
-  resident size follows the live tensors (``--rss-malloc``). Where ``clear_refs`` is refused,
+  with malloc as a user gets it (glibc's as it comes, but for the engine's variants, which set its
+  mmap threshold to 4 MiB as their default ``cpu_mmap_threshold_mb`` does) and with the threshold
+  at 128 KiB for every variant, so that freed tensors go back to the OS at once and the resident
+  size follows the live tensors (``--rss-malloc``). The timed run shares one process among the
+  variants, so there the engine leaves glibc's rule as it comes (``cpu_mmap_threshold_mb=None``). Where ``clear_refs`` is refused,
   the whole process's ``ru_maxrss`` is reported instead. On CUDA the same runs also read device
   memory: ``torch.cuda.memory_allocated`` before the model is built, and the peak
   (``torch.cuda.max_memory_allocated``, reset per phase) above it.
@@ -177,6 +179,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, job: str
     mmap_set = None
     if job.startswith("rss:mmap:"):
         mmap_set = _set_mmap_threshold(MMAP_THRESHOLD)
+    args.engine_sets_malloc = job.startswith("rss:default:")  # its default, as users meet it, in a variant alone
     torch.set_num_threads(args.threads)
     # what a launcher sets, which DeepSpeed reads (deepspeed3), and its CPU accelerator on CPU
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), RANK=str(rank), WORLD_SIZE=str(world))

@@ -239,14 +239,17 @@ def build_variant(name: str, args: argparse.Namespace, width: int) -> Variant:
         return Variant(name, model, ddp, inner)
     if name == "local":
         return Variant(name, model, model, inner)
+    # glibc's mmap threshold is the process's: the engine sets it only in a process of its own, never
+    # under the variants sharing the timed run (see [Note: glibc's mmap threshold] in engine/malloc.py)
+    malloc = {} if getattr(args, "engine_sets_malloc", False) else {"cpu_mmap_threshold_mb": None}
     if name in ("zero1", "zero2"):
-        opt = ZeroOptimizer(inner, ZeroConfig(stage=int(name[-1]), bucket_cap_mb=args.bucket_cap_mb))
+        opt = ZeroOptimizer(inner, ZeroConfig(stage=int(name[-1]), bucket_cap_mb=args.bucket_cap_mb, **malloc))
         v = Variant(name, model, model, opt)
         instrument_zero(opt, v._current)
         return v
     if name in ("zero3", "zero3_default"):
         units = {"shard_modules": (ResidualBlock.__name__,)} if name == "zero3" else {}
-        config = ZeroConfig(stage=3, bucket_cap_mb=args.bucket_cap_mb, **units)
+        config = ZeroConfig(stage=3, bucket_cap_mb=args.bucket_cap_mb, **units, **malloc)
         sharder = shard_module(model, config)
         opt = ZeroOptimizer(inner, config, sharder=sharder)
         v = Variant(name, model, model, opt, sharder=sharder)
