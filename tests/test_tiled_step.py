@@ -63,3 +63,70 @@ def test_tiled_steps_equal_whole_steps(cls):
                 assert mine.keys() == theirs.keys()
                 for k, v in theirs.items():
                     assert torch.equal(torch.as_tensor(mine[k]), torch.as_tensor(v)), (step, gi, pi, k)
+
+
+def test_step_hooks_fire_as_in_the_untiled_step():
+    """The tiles' scratch optimizers step without hooks; the inner optimizer's step fires them once,
+    as when it steps whole (and the engine's own step, an optimizer too, fires the global ones)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from zero_strategy import ZeroConfig, ZeroOptimizer
+
+    def calls_of(tiled: bool) -> list[tuple[str, str]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1000, 1000)  # a million weights: eight tiles
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), ZeroConfig(stage=1))
+        assert opt._tiled is not None and len(opt._tiled.tiles) == 8
+        if not tiled:
+            opt._tiled = None
+        calls = []
+        who = lambda o: "engine" if o is opt else "inner" if o is opt.inner else "another"  # noqa: E731
+        handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global pre", who(o)))),
+                   register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global post", who(o)))),
+                   opt.inner.register_step_pre_hook(lambda o, a, k: calls.append(("inner pre", who(o))))]
+        try:
+            for _ in range(2):
+                model(torch.randn(2, 1000)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            for h in handles:
+                h.remove()
+        return calls
+
+    tiled = calls_of(True)
+    assert tiled == calls_of(False)
+    assert tiled.count(("inner pre", "inner")) == 2 and ("global pre", "another") not in tiled
+
+
+class CountingAdam(torch.optim.Adam):
+    """A subclass that keeps state on the instance: a scratch optimizer per tile would start it afresh."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        for group in self.param_groups:
+            group["lr"] = 1e-2 * self.calls
+        return super().step(closure)
+
+
+def test_a_subclass_steps_whole_as_torch_does():
+    from zero_strategy import ZeroConfig, ZeroOptimizer
+
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(1000, 300), torch.nn.Linear(1000, 300)
+    reference.load_state_dict(model.state_dict())
+    opt = ZeroOptimizer(CountingAdam(model.parameters()), ZeroConfig(stage=1))
+    plain = CountingAdam(reference.parameters())
+    assert opt._tiled is None
+    for _ in range(3):
+        x = torch.randn(2, 1000)
+        for m, o in ((model, opt), (reference, plain)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)

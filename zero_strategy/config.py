@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 SUPPORTED_STAGES = (1, 2, 3)
 
-MAX_MMAP_THRESHOLD_MB = 32
-"""glibc's largest mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): see cpu_mmap_threshold_mb."""
+MIN_MMAP_THRESHOLD_MB, MAX_MMAP_THRESHOLD_MB = 0.125, 32
+"""glibc's first mmap threshold and its largest on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``):
+see cpu_mmap_threshold_mb."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,10 @@ class ZeroConfig:
     cpu_mmap_threshold_mb: Optional[float] = 4.0
     """On CPU with glibc: blocks of this many MiB or more get pages of their own from malloc, given
     back to the system when freed, so that the memory a step frees leaves the process (see [Note:
-    glibc's mmap threshold] in engine/malloc.py). Set for the whole process once the engine is set
-    up; at most 32 (glibc's limit). None leaves glibc's own rule, whose heap keeps freed blocks."""
+    glibc's mmap threshold] in engine/malloc.py). Set for the whole process, for good, when the
+    engine is set up, unless the process was started with ``MALLOC_MMAP_THRESHOLD_`` or a
+    ``GLIBC_TUNABLES`` threshold (kept); from 0.125 (glibc's own starting value) to 32 (its limit).
+    None sets nothing: glibc's heap then keeps freed blocks (unless set earlier in the process)."""
 
     quantized_weights: bool = False
     """Stage 3: all-gather parameters block-quantized to int8 (one fp32 scale per
@@ -157,9 +160,10 @@ class ZeroConfig:
                              "as long as the process group's timeout.")
         mmap = self.cpu_mmap_threshold_mb
         if mmap is not None and (isinstance(mmap, bool) or not isinstance(mmap, (int, float)) or not math.isfinite(mmap)
-                                 or not 0 < mmap <= MAX_MMAP_THRESHOLD_MB):
-            raise ValueError(f"cpu_mmap_threshold_mb={mmap!r} must be a number of MiB above 0 and at most "
-                             f"{MAX_MMAP_THRESHOLD_MB} (glibc's limit; 4 is the default), or None to leave glibc's own rule.")
+                                 or not MIN_MMAP_THRESHOLD_MB <= mmap <= MAX_MMAP_THRESHOLD_MB):
+            raise ValueError(f"cpu_mmap_threshold_mb={mmap!r} must be a number of MiB from {MIN_MMAP_THRESHOLD_MB} "
+                             f"(glibc's own starting value) to {MAX_MMAP_THRESHOLD_MB} (its limit; 4 is the default), "
+                             "or None to leave glibc's own rule.")
         if not isinstance(self.check_unit_order, bool):
             raise ValueError(f"check_unit_order={self.check_unit_order!r} must be True or False.")
         every = self.check_unit_order_every

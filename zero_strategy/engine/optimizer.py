@@ -185,7 +185,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._step = StepGradients()  # see [Note: state behind LightningOptimizer] in step_grads.py
         self._tiles, self._disk = self._plan_offload(config, type(optimizer), kwargs)
         self._tiled = None  # the CPU step in tiles: see [Note: the CPU step in tiles] in tiled_step.py
-        if self._device.type == "cpu" and not self.offloaded:
+        if self._device.type == "cpu" and not self.offloaded and type(optimizer) in ELEMENTWISE_OPTIMIZERS:
             self._tiled = TiledStep(plan_tiles(self._shard_ranges(), CPU_TILE_NUMEL, split_pieces=True),
                                     type(optimizer), kwargs)
         if type(self) is ZeroOptimizer:
@@ -337,7 +337,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         assert self._step.pairs is not None
         if self._tiled is not None:
             grads = {where: grad.reshape(-1) for where, (_, grad) in zip(self._step.where, self._step.pairs)}
-            self._tiled.step(self._pieces, self._piece_offsets(), grads, self.inner.state, self._settings_of())
+            tiled = self._tiled
+
+            def step(inner: torch.optim.Optimizer) -> None:  # the inner optimizer's step hooks fire once
+                tiled.step(self._pieces, self._piece_offsets(), grads, inner.state, self._settings_of())
+
+            torch.optim.Optimizer.profile_hook_step(step)(self.inner)
             return
         for master, grad in self._step.pairs:
             master.grad = grad

@@ -7,12 +7,17 @@ of a few MiB falls out of a core's cache between passes, and its temporaries are
 that malloc hands out and takes back at every step (with [Note: glibc's mmap threshold] in
 malloc.py, fresh pages each time). So on CPU the engine steps its pieces in tiles of
 ``CPU_TILE_NUMEL`` elements, cutting a piece where it is larger, each tile with a scratch
-optimizer of the user's class (``step_views``). A tile's elementwise state is views of its piece's
-state; its one-number state (the step count, and what derives from it) starts from a copy of the
-piece's, which evolves alike in every tile, so any tile's result is the piece's (as with the state
-on disk: [Note: optimizer state on disk] in offload.py). The update is elementwise, so the result
+optimizer of the user's class over views of its parts, built at the first step and kept (its
+hyperparameters set from the inner optimizer's at every step, for LR schedulers). A part's
+elementwise state is a view of its piece's state; its one-number state (the step count, and what
+derives from it) starts from a copy of the piece's, which evolves alike in every part, so any
+part's result is the piece's (as with the state on disk: [Note: optimizer state on disk] in
+offload.py); a piece in one tile steps its own state. The update is elementwise, so the result
 equals the whole step bit for bit: ``tests/test_tiled_step.py`` checks every optimizer of
-``ELEMENTWISE_OPTIMIZERS`` with tiles that cut pieces at odd offsets.
+``ELEMENTWISE_OPTIMIZERS`` with tiles that cut pieces at odd offsets. The scratch optimizers step
+without hooks; the inner optimizer's step fires its own and the global ones once. Only torch's own
+classes are tiled: a subclass may keep state on the instance, which scratch optimizers would not
+share, so it steps whole.
 
 AdamW over 16.7M fp32 elements on one core of the 2-core CI machine (1 MiB of L2 per core): 86 ms
 whole, 29-35 ms in tiles of 64-128 Ki elements (scratch optimizers included), 67-72 ms in tiles of
@@ -109,47 +114,122 @@ def step_views(cls: type, kwargs: dict[str, Any], views: Sequence[View]) -> dict
     return opt.state
 
 
+def unhooked_step(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()`` without the step hooks (its own and the global ones) and the profiler's record:
+    a scratch optimizer's step is a part of the engine's, which fires them once (``ZeroOptimizer``)."""
+    step = type(opt).step
+    if getattr(step, "hooked", False):  # torch's wrapper (Optimizer._patch_step_function)
+        step = step.__wrapped__  # type: ignore[attr-defined]
+    step(opt)
+
+
+@dataclass
+class _Part:
+    """A part of a piece in one tile, and the view of it that the tile's scratch optimizer steps."""
+
+    key: PieceKey
+    master: torch.Tensor  # the piece's tensor (whole)
+    lo: int  # the part's elements in the piece
+    hi: int
+    view: torch.Tensor  # master[lo:hi]
+
+    @property
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == self.master.numel()
+
+    @property
+    def last(self) -> bool:
+        return self.hi == self.master.numel()
+
+
 class TiledStep:
     """Steps pieces tile by tile, their state in ``state`` (the inner optimizer's): see [Note: the
-    CPU step in tiles]. Tile coordinates are offsets in the rank's flat shard of each group."""
+    CPU step in tiles]. Tile coordinates are offsets in the rank's flat shard of each group. Each
+    tile keeps its scratch optimizer from step to step (built at the first), its hyperparameters
+    set from ``settings`` at every step."""
 
     def __init__(self, tiles: list[list[TilePart]], cls: type, kwargs: dict[str, Any]) -> None:
         self.tiles = tiles
         self.cls = cls
         self.kwargs = kwargs
+        self._scratch: Optional[list[tuple[torch.optim.Optimizer, list[_Part], list[PieceKey]]]] = None
+
+    def _build(self, masters: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]],
+               settings: Settings) -> None:
+        """Per tile: its scratch optimizer (a param group per param group of the user's), its parts, and
+        for each of the scratch's param groups a piece that reads its hyperparameters."""
+        self._scratch = []
+        for tile in self.tiles:
+            parts, groups, reader = [], {}, {}
+            for p in tile:
+                key = (p.group, p.piece)
+                setting = settings(*key)
+                if setting is None:
+                    continue
+                master = masters[p.group][p.piece]
+                lo, hi = p.start - offsets[p.group][p.piece], p.end - offsets[p.group][p.piece]
+                part = _Part(key, master, lo, hi, master[lo:hi])
+                parts.append(part)
+                groups.setdefault(setting[0], {**setting[1], "params": []})["params"].append(part.view)
+                reader.setdefault(setting[0], key)
+            if parts:
+                opt = self.cls(list(groups.values()), **self.kwargs)
+                opt.state.clear()  # Adagrad's constructor makes state: the pieces have theirs in ``state``
+                self._scratch.append((opt, parts, list(reader.values())))
 
     def step(self, masters: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]],
              grads: dict[PieceKey, torch.Tensor], state: dict[torch.Tensor, dict[str, Any]],
              settings: Settings) -> None:
-        """One optimizer step of the pieces in ``grads`` (shaped like the pieces, 1-D)."""
-        new: dict[torch.Tensor, dict[str, Any]] = {}  # state installed once every tile is done
-        for tile in self.tiles:
-            parts, views = [], []
-            for part in tile:
-                key = (part.group, part.piece)
-                setting = settings(*key) if key in grads else None
-                if setting is None:
-                    continue
-                master = masters[part.group][part.piece]
-                lo, hi = part.start - offsets[part.group][part.piece], part.end - offsets[part.group][part.piece]
-                entry = {k: v[lo:hi] if is_elementwise(v) else copy_scalar(v) for k, v in state.get(master, {}).items()}
-                parts.append((master, lo, hi))
-                views.append((master[lo:hi], grads[key][lo:hi], setting, entry))
-            if not views:
+        """One optimizer step of the pieces in ``grads`` (shaped like the pieces, 1-D). A piece's new
+        state is installed once its last part is stepped; an error inside the step leaves the pieces
+        before it stepped and the rest not, as torch's step over several tensors does, except that a
+        piece cut by the tile where it happened has only its first parts stepped."""
+        if self._scratch is None:
+            self._build(masters, offsets, settings)
+        assert self._scratch is not None
+        new: dict[int, dict[str, Any]] = {}  # id(master) -> state taking effect at its last part
+        for opt, parts, readers in self._scratch:
+            live = [p for p in parts if p.key in grads]
+            if not live:
                 continue
-            stepped = step_views(self.cls, self.kwargs, views)
-            for (master, lo, hi), (t, *_) in zip(parts, views):
-                for k, v in stepped[t].items():
-                    if not is_elementwise(v):
-                        new.setdefault(master, {})[k] = v
-                        continue
-                    whole = state.get(master, {}).get(k)
-                    if not is_elementwise(whole):  # state the piece has from this step on (its first)
-                        whole = new.setdefault(master, {}).get(k)
-                        if whole is None:
-                            whole = new[master][k] = torch.empty(master.numel(), dtype=v.dtype, device=v.device)
-                    dst = whole[lo:hi]
-                    if dst.data_ptr() != v.data_ptr():
-                        dst.copy_(v.reshape(-1))
-        for master, entry in new.items():
-            state[master] = {**state.get(master, {}), **entry}
+            for group, key in zip(opt.param_groups, readers):
+                group.update(settings(*key)[1])  # type: ignore[index]  # an LR scheduler's changes
+            for p in live:
+                entry = state.get(p.master, {})
+                if p.whole:  # the piece's own tensors (the scratch's view of it has the same shape)
+                    p.view.grad = grads[p.key]
+                    opt.state[p.view] = dict(entry)
+                    continue
+                p.view.grad = grads[p.key][p.lo : p.hi]
+                opt.state[p.view] = {k: v[p.lo : p.hi] if is_elementwise(v) else copy_scalar(v) for k, v in entry.items()}
+            try:
+                unhooked_step(opt)
+                for p in live:
+                    self._collect(p, opt.state[p.view], state, new.setdefault(id(p.master), {}))
+                    if p.last:
+                        state[p.master] = {**state.get(p.master, {}), **new.pop(id(p.master))}
+            finally:
+                opt.state.clear()
+                for p in live:
+                    p.view.grad = None
+
+    @staticmethod
+    def _collect(part: _Part, stepped: dict[str, Any], state: dict[torch.Tensor, dict[str, Any]],
+                 new: dict[str, Any]) -> None:
+        """Put a stepped part's state where the piece's is: elementwise values into the piece's tensors
+        (into new ones for state the piece gets at this step), one-number values into ``new``."""
+        for k, v in stepped.items():
+            if not is_elementwise(v):
+                new[k] = v
+                continue
+            whole = state.get(part.master, {}).get(k)
+            if not is_elementwise(whole):  # state the piece has from this step on (its first)
+                if part.whole:
+                    new[k] = v
+                    continue
+                whole = new.get(k)
+                if whole is None:
+                    whole = new[k] = torch.empty(part.master.numel(), dtype=v.dtype, device=v.device)
+            dst = whole[part.lo : part.hi]
+            if dst.data_ptr() != v.data_ptr():
+                dst.copy_(v.reshape(-1))
