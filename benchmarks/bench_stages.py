@@ -34,8 +34,10 @@ Memory, two columns:
 
 - model-state bytes per rank, counted from live tensors after a backward (gradients present):
   ``zero_strategy.memory_stats`` for DDP and the engine; for FSDP2 the local shards (DTensor
-  ``to_local()``) of parameters, gradients and optimizer state. Each storage is counted once,
-  padding included.
+  ``to_local()``) of parameters, gradients and optimizer state; for DeepSpeed ZeRO-3 the tensors
+  its optimizer holds, by role (``stages_measure.DEEPSPEED3_ROLES``: its fp32 copy of the
+  partition is master weights, in fp32 training too). Each storage is counted once, padding
+  included.
 - peak memory per rank. ``ru_maxrss`` only grows and counts the whole process, so a shared
   process cannot say which variant caused a peak. After the timed run, each variant therefore
   runs again alone in fresh processes (on CPU forked from the launcher, which holds no tensors;

@@ -65,6 +65,44 @@ def local_state_bytes(v: Variant) -> dict[str, int]:
     return out
 
 
+DEEPSPEED3_ROLES = {  # what each attribute of DeepSpeed 0.19's ZeRO-3 optimizer holds (others: buffers)
+    "fp16_partitioned_groups_flat": "params",  # this rank's partition of the parameters (views of
+    "lp_param_buffer": "params",  # one buffer), and the parameters small enough to stay whole
+    "persistent_parameters": "params",
+    "fp32_partitioned_groups_flat": "master_params",  # an fp32 copy of the partition, fp32 training too
+    "grad_partitions_flat_buffer": "grads",  # this rank's partition of the gradients
+    "averaged_gradients": "grads",
+}
+
+
+def _tensors_in(value: Any, depth: int = 3) -> Iterable[torch.Tensor]:
+    """The tensors in ``value``: itself, or the items of its lists, tuples and dicts, ``depth`` deep."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item, depth - 1)
+    elif depth and isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, depth - 1)
+
+
+def deepspeed3_state_bytes(v: Variant) -> dict[str, int]:
+    """This rank's bytes in DeepSpeed's ZeRO-3 optimizer, by role (``DEEPSPEED3_ROLES``), each storage
+    once. Its gradient partition is one buffer allocated for good, so no backward is needed; the
+    tensors it holds for other ends (communication buckets) are ``workspace``, outside ``total`` as
+    in ``memory_stats``."""
+    opt = v.opt.optimizer  # the engine's DeepSpeedZeroOptimizer_Stage3
+    seen: set[int] = set()
+    out = dict.fromkeys(("params", "grads", "optimizer_states", "master_params"), 0)
+    for name, role in DEEPSPEED3_ROLES.items():
+        out[role] += storage_bytes(_tensors_in(getattr(opt, name, None)), seen)
+    out["optimizer_states"] += storage_bytes((t for s in opt.optimizer.state.values() for t in s.values()), seen)
+    out["total"] = sum(out.values())
+    out["workspace"] = storage_bytes((t for value in vars(opt).values() for t in _tensors_in(value)), seen)
+    return out
+
+
 def model_state_bytes(v: Variant, x: torch.Tensor, y: torch.Tensor) -> Optional[dict[str, int]]:
     """Model-state bytes for this rank while gradients are live (after a backward), or None.
 
@@ -72,8 +110,7 @@ def model_state_bytes(v: Variant, x: torch.Tensor, y: torch.Tensor) -> Optional[
     tensor of the model or optimizer, so it is not counted.
     """
     if v.name == "deepspeed3":
-        v.model.zero_grad(set_to_none=True)
-        return None  # its partitions live inside the engine; not counted here
+        return deepspeed3_state_bytes(v)
     v.backward(F.mse_loss(v.forward(x), y))
     if isinstance(v.opt, ZeroOptimizer):
         v.opt.reduce_gradients()  # stage 1 reduces in step; this is where its gradients end up

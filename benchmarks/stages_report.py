@@ -50,7 +50,7 @@ def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rss_modes = list(dict.fromkeys(m for v in vs.values() for m in v["peak_rss"]))
     head = ["variant", "median step (s)", f"ratio vs {base}", "paired ratio", "final loss (rank 0)",
             f"max \\|Δloss\\| vs {base}", f"max \\|Δparam\\| vs {base}"]
-    head += ["model-state MiB/rank (measured: params, grads, optim state)"] if has_mem else []
+    head += ["model-state MiB/rank (measured: params, grads, optim state, master copy)"] if has_mem else []
     head += ["MiB/rank (formula)"] if has_formula else []
     head += ["peak device MiB/rank (allocated)"] if has_device else []
     head += [RSS_TITLES[m] for m in rss_modes]
@@ -62,8 +62,9 @@ def summary_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 else [f"{v['max_loss_diff_vs_baseline']:.2e}", f"{v['max_param_diff_vs_baseline']:.2e}"])
         if has_mem:
             m = v["model_state_bytes"]
+            master = f", master {_mib(m['master_params'])}" if m and m.get("master_params") else ""
             row.append("n/a" if m is None else f"{_mib(m['total'])} (p {_mib(m['params'])}, g {_mib(m['grads'])}, "
-                                               f"os {_mib(m['optimizer_states'])})")
+                                               f"os {_mib(m['optimizer_states'])}{master})")
         if has_formula:
             row.append(_mib(v["formula_bytes"]) if v["formula_bytes"] else "")
         if has_device:
