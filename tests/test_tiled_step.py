@@ -45,7 +45,7 @@ def test_tiled_steps_equal_whole_steps(cls):
     reference, inner = optimizer(whole), optimizer(tiled)
     offsets = [[sum(group[:i]) for i in range(len(group))] for group in sizes]
     ranges = [[(o, o + n) for o, n in zip(offs, group)] for offs, group in zip(offsets, sizes)]
-    stepper = TiledStep(plan_tiles(ranges, 7, split_pieces=True), cls, {})
+    stepper = TiledStep(plan_tiles(ranges, 7, split_pieces=True), cls, {}, tiled, offsets)
     assert any(p.start - offsets[p.group][p.piece] > 0 for tile in stepper.tiles for p in tile)  # pieces are cut
     settings = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     for step in range(4):
@@ -55,7 +55,7 @@ def test_tiled_steps_equal_whole_steps(cls):
             whole[gi][pi].grad = g.clone()
         reference.step()
         reference.zero_grad(set_to_none=True)
-        stepper.step(tiled, offsets, grads, inner.state, lambda gi, pi: (user_group[gi][pi], settings[user_group[gi][pi]]))
+        stepper.step(grads, inner.state, lambda gi, pi: (user_group[gi][pi], settings[user_group[gi][pi]]))
         for gi, group in enumerate(sizes):
             for pi in range(len(group)):
                 assert torch.equal(tiled[gi][pi], whole[gi][pi]), (step, gi, pi)
@@ -63,6 +63,17 @@ def test_tiled_steps_equal_whole_steps(cls):
                 assert mine.keys() == theirs.keys()
                 for k, v in theirs.items():
                     assert torch.equal(torch.as_tensor(mine[k]), torch.as_tensor(v)), (step, gi, pi, k)
+
+
+def _two_steps_then_remove(model: torch.nn.Module, opt: torch.optim.Optimizer, handles: list) -> None:
+    try:
+        for _ in range(2):
+            model(torch.randn(2, 1000)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def test_step_hooks_fire_as_in_the_untiled_step():
@@ -84,19 +95,32 @@ def test_step_hooks_fire_as_in_the_untiled_step():
         handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global pre", who(o)))),
                    register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global post", who(o)))),
                    opt.inner.register_step_pre_hook(lambda o, a, k: calls.append(("inner pre", who(o))))]
-        try:
-            for _ in range(2):
-                model(torch.randn(2, 1000)).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-        finally:
-            for h in handles:
-                h.remove()
+        _two_steps_then_remove(model, opt, handles)
         return calls
 
     tiled = calls_of(True)
     assert tiled == calls_of(False)
     assert tiled.count(("inner pre", "inner")) == 2 and ("global pre", "another") not in tiled
+
+
+@pytest.mark.parametrize("offload", ["host", "disk"])
+def test_an_offloaded_step_fires_the_inner_optimizers_hooks_once(offload, tmp_path):
+    """The host step runs tile by tile too (and with disk offload, scratch optimizers): one hooked step."""
+    from zero_strategy import ZeroConfig, ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1000, 1000)
+    config = ZeroConfig(stage=1, offload_optimizer=True, offload_tile_mb=1.0,
+                        offload_dir=str(tmp_path) if offload == "disk" else None)
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), config)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    calls = []
+    handle = opt.inner.register_step_pre_hook(lambda o, a, k: calls.append(o is opt.inner))
+    other = register_optimizer_step_pre_hook(lambda o, a, k: calls.append("a scratch optimizer")
+                                             if o is not opt and o is not opt.inner else None)
+    _two_steps_then_remove(model, opt, [handle, other])
+    assert calls == [True, True]
 
 
 class CountingAdam(torch.optim.Adam):
@@ -142,7 +166,8 @@ def test_the_engines_tiled_step_equals_its_whole_step(cls):
     def run(tiled: bool) -> tuple[list[torch.Tensor], dict]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(700, 900), torch.nn.Linear(900, 10))  # 5 tiles
-        groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.05}]
+        stateless = {"momentum": 0.0, "nesterov": False} if cls is torch.optim.SGD else {}  # no state: no entry
+        groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.05, **stateless}]
         opt = ZeroOptimizer(cls(groups, **{**SETTINGS[cls], "lr": 0.01}), ZeroConfig(stage=1))
         assert opt._tiled is not None and len(opt._tiled.tiles) == 5
         if not tiled:

@@ -52,11 +52,23 @@ def _glibc() -> Optional[ctypes.CDLL]:
         return None
 
 
+def _start_environment() -> dict[str, str]:
+    """The environment this process started with, which glibc read (``os.environ`` may differ since)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return dict(os.environ)
+    pairs = (item.decode(errors="replace").partition("=") for item in items if item)
+    return {name: value for name, _, value in pairs}
+
+
 def _set_by_environment() -> Optional[str]:
     """The variable through which whoever started this process chose glibc's mmap threshold, if any."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    start = _start_environment()
+    if "MALLOC_MMAP_THRESHOLD_" in start:
         return "MALLOC_MMAP_THRESHOLD_"
-    if "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+    if "glibc.malloc.mmap_threshold" in start.get("GLIBC_TUNABLES", ""):
         return "GLIBC_TUNABLES"
     return None
 

@@ -48,7 +48,7 @@ from .parameters import ParameterSharder
 from .scaler import LossScaler
 from .step_grads import StepGradients
 from .state import consolidate_state, shard_state
-from .tiled_step import CPU_TILE_NUMEL, TiledStep, plan_tiles
+from .tiled_step import CPU_TILE_NUMEL, TiledStep, hooked_step, plan_tiles, unhooked_step
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
@@ -187,7 +187,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._tiled = None  # the CPU step in tiles: see [Note: the CPU step in tiles] in tiled_step.py
         if self._device.type == "cpu" and not self.offloaded and type(optimizer) in ELEMENTWISE_OPTIMIZERS:
             self._tiled = TiledStep(plan_tiles(self._shard_ranges(), CPU_TILE_NUMEL, split_pieces=True),
-                                    type(optimizer), kwargs)
+                                    type(optimizer), kwargs, self._pieces, self._piece_offsets())
         if type(self) is ZeroOptimizer:
             self.__class__ = _named_like(type(optimizer))
 
@@ -335,14 +335,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _torch_step(self) -> None:
         """The inner optimizer's own update of the pieces that have gradients (on CPU in tiles)."""
         assert self._step.pairs is not None
-        if self._tiled is not None:
+        if self._tiled is not None and not torch.compiler.is_compiling():  # dynamo takes the whole step
             grads = {where: grad.reshape(-1) for where, (_, grad) in zip(self._step.where, self._step.pairs)}
-            tiled = self._tiled
-
-            def step(inner: torch.optim.Optimizer) -> None:  # the inner optimizer's step hooks fire once
-                tiled.step(self._pieces, self._piece_offsets(), grads, inner.state, self._settings_of())
-
-            torch.optim.Optimizer.profile_hook_step(step)(self.inner)
+            tiled, settings = self._tiled, self._settings_of()
+            hooked_step(self.inner, lambda: tiled.step(grads, self.inner.state, settings))
             return
         for master, grad in self._step.pairs:
             master.grad = grad
@@ -360,19 +356,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 piece = g.pieces[part.piece]
                 g.write_back_piece(piece, part.start - piece.shard_offset, part.end - piece.shard_offset)
 
-        if self._disk is not None:
-            self._disk.step(self._pieces, self._piece_offsets(), grad_of, self.inner.state, self._settings_of(), written)
-        else:
+        def tiles() -> None:  # one hooked step of the inner optimizer: see unhooked_step
+            if self._disk is not None:
+                self._disk.step(self._pieces, self._piece_offsets(), grad_of, self.inner.state, self._settings_of(),
+                                written)
+                return
             for tile in self._tiles:
                 live = [p for p in tile if (p.group, p.piece) in grad_of]
                 if not live:
                     continue
                 for p in live:
                     self._pieces[p.group][p.piece].grad = grad_of[(p.group, p.piece)]
-                self.inner.step()
-                for p in live:
-                    self._pieces[p.group][p.piece].grad = None
+                try:
+                    unhooked_step(self.inner)
+                finally:
+                    for p in live:
+                        self._pieces[p.group][p.piece].grad = None
                 written(live)
+
+        hooked_step(self.inner, tiles)
         wait_for_copies(self._device)
         for g in self.groups:  # the pieces were written back tile by tile: a gathered copy is stale now
             if not g.resident and g.gathered:
@@ -465,6 +467,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         shard_state(self, state_dict)
+        self.state = self.inner.state  # type: ignore[assignment]  # torch's load gives the inner a new dict
         if self.offloaded:
             self.inner.param_groups[:] = [self._for_host(g) for g in self.inner.param_groups]
             self._keep_state_on_host()

@@ -95,9 +95,25 @@ def copy_scalar(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
+def unhooked_step(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()`` without the step hooks (its own and the global ones) and the profiler's record:
+    a scratch optimizer's step, or the inner optimizer's over one tile, is a part of the inner
+    optimizer's step, which ``ZeroOptimizer`` runs as one hooked call (``hooked_step``)."""
+    step = type(opt).step
+    if getattr(step, "hooked", False):  # torch's wrapper (Optimizer._patch_step_function)
+        step = step.__wrapped__  # type: ignore[attr-defined]
+    step(opt)
+
+
+def hooked_step(opt: torch.optim.Optimizer, step: Callable[[], None]) -> None:
+    """Run ``step`` as ``opt``'s step: its step hooks and the global ones fire once, around it."""
+    torch.optim.Optimizer.profile_hook_step(lambda _: step())(opt)
+
+
 def step_views(cls: type, kwargs: dict[str, Any], views: Sequence[View]) -> dict[torch.Tensor, dict[str, Any]]:
-    """One step of a scratch ``cls(groups, **kwargs)`` over ``views``; returns its state per view
-    (elementwise state the optimizer updated in place is the views given; new state is new tensors)."""
+    """One step of a scratch ``cls(groups, **kwargs)`` over ``views`` (without hooks: see
+    ``unhooked_step``); returns its state per view (elementwise state the optimizer updated in place
+    is the views given; new state is new tensors)."""
     groups: dict[int, dict[str, Any]] = {}
     for t, grad, (index, hyper), _ in views:
         t.grad = grad
@@ -107,20 +123,11 @@ def step_views(cls: type, kwargs: dict[str, Any], views: Sequence[View]) -> dict
         if entry:
             opt.state[t] = entry
     try:
-        opt.step()
+        unhooked_step(opt)
     finally:
         for t, *_ in views:
             t.grad = None
     return opt.state
-
-
-def unhooked_step(opt: torch.optim.Optimizer) -> None:
-    """``opt.step()`` without the step hooks (its own and the global ones) and the profiler's record:
-    a scratch optimizer's step is a part of the engine's, which fires them once (``ZeroOptimizer``)."""
-    step = type(opt).step
-    if getattr(step, "hooked", False):  # torch's wrapper (Optimizer._patch_step_function)
-        step = step.__wrapped__  # type: ignore[attr-defined]
-    step(opt)
 
 
 @dataclass
@@ -148,14 +155,18 @@ class TiledStep:
     tile keeps its scratch optimizer from step to step (built at the first), its hyperparameters
     set from ``settings`` at every step."""
 
-    def __init__(self, tiles: list[list[TilePart]], cls: type, kwargs: dict[str, Any]) -> None:
+    def __init__(self, tiles: list[list[TilePart]], cls: type, kwargs: dict[str, Any],
+                 masters: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]]) -> None:
+        """``masters[group][piece]``: the tensors stepped (1-D), starting at ``offsets[group][piece]``
+        in the shard; kept for good (the scratch optimizers hold views of them)."""
         self.tiles = tiles
         self.cls = cls
         self.kwargs = kwargs
+        self.masters = masters
+        self.offsets = offsets
         self._scratch: Optional[list[tuple[torch.optim.Optimizer, list[_Part], list[PieceKey]]]] = None
 
-    def _build(self, masters: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]],
-               settings: Settings) -> None:
+    def _build(self, settings: Settings) -> None:
         """Per tile: its scratch optimizer (a param group per param group of the user's), its parts, and
         for each of the scratch's param groups a piece that reads its hyperparameters."""
         self._scratch = []
@@ -166,8 +177,8 @@ class TiledStep:
                 setting = settings(*key)
                 if setting is None:
                     continue
-                master = masters[p.group][p.piece]
-                lo, hi = p.start - offsets[p.group][p.piece], p.end - offsets[p.group][p.piece]
+                master = self.masters[p.group][p.piece]
+                lo, hi = p.start - self.offsets[p.group][p.piece], p.end - self.offsets[p.group][p.piece]
                 part = _Part(key, master, lo, hi, master[lo:hi])
                 parts.append(part)
                 groups.setdefault(setting[0], {**setting[1], "params": []})["params"].append(part.view)
@@ -177,15 +188,14 @@ class TiledStep:
                 opt.state.clear()  # Adagrad's constructor makes state: the pieces have theirs in ``state``
                 self._scratch.append((opt, parts, list(reader.values())))
 
-    def step(self, masters: Sequence[Sequence[torch.Tensor]], offsets: Sequence[Sequence[int]],
-             grads: dict[PieceKey, torch.Tensor], state: dict[torch.Tensor, dict[str, Any]],
+    def step(self, grads: dict[PieceKey, torch.Tensor], state: dict[torch.Tensor, dict[str, Any]],
              settings: Settings) -> None:
         """One optimizer step of the pieces in ``grads`` (shaped like the pieces, 1-D). A piece's new
         state is installed once its last part is stepped; an error inside the step leaves the pieces
         before it stepped and the rest not, as torch's step over several tensors does, except that a
         piece cut by the tile where it happened has only its first parts stepped."""
         if self._scratch is None:
-            self._build(masters, offsets, settings)
+            self._build(settings)
         assert self._scratch is not None
         new: dict[int, dict[str, Any]] = {}  # id(master) -> state taking effect at its last part
         for opt, parts, readers in self._scratch:
@@ -206,8 +216,8 @@ class TiledStep:
                 unhooked_step(opt)
                 for p in live:
                     self._collect(p, opt.state[p.view], state, new.setdefault(id(p.master), {}))
-                    if p.last:
-                        state[p.master] = {**state.get(p.master, {}), **new.pop(id(p.master))}
+                    if p.last and (entry := new.pop(id(p.master))):  # none for state-less ones (SGD)
+                        state[p.master] = {**state.get(p.master, {}), **entry}
             finally:
                 opt.state.clear()
                 for p in live:
