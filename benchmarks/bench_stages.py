@@ -64,7 +64,6 @@ Workers leave through ``os._exit`` once their results are written (see ``_worker
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import socket
@@ -93,6 +92,7 @@ from benchmarks.stages_report import (NO_MATPLOTLIB, matplotlib_available, plot_
 from benchmarks.stages_variants import (DEFAULT_VARIANTS, VARIANTS, ResidualMLP, build_variants,  # noqa: E402
                                         device_name, make_batches, model_shape, rank_device, train_step,
                                         unavailable)
+from zero_strategy.engine.malloc import set_mmap_threshold  # noqa: E402
 
 
 # ---- the timed run on each rank ----------------------------------------------------------------
@@ -168,19 +168,11 @@ def run_rank(rank: int, args: argparse.Namespace) -> Optional[dict[str, Any]]:
 
 # ---- launch ------------------------------------------------------------------------------------
 
-def _set_mmap_threshold(numel_bytes: int) -> bool:
-    """glibc's ``mallopt(M_MMAP_THRESHOLD, ...)`` in this process; False where there is no glibc."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, numel_bytes))  # M_MMAP_THRESHOLD is -3
-    except (OSError, AttributeError):
-        return False
-
-
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, job: str, out_path: str) -> None:
     """``job``: "time" (every variant, the timed run) or "rss:MODE:VARIANT" (one variant's RSS run)."""
     mmap_set = None
     if job.startswith("rss:mmap:"):
-        mmap_set = _set_mmap_threshold(MMAP_THRESHOLD)
+        mmap_set = set_mmap_threshold(MMAP_THRESHOLD / 2**20)  # the engine's own call (and trim at twice it)
     args.engine_sets_malloc = job.startswith("rss:default:")  # its default, as users meet it, in a variant alone
     torch.set_num_threads(args.threads)
     # what a launcher sets, which DeepSpeed reads (deepspeed3), and its CPU accelerator on CPU

@@ -152,7 +152,7 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def _freed_block_after_training(threshold_mb) -> tuple[int, int, int]:
+def _freed_block_after_training(rank: int, world_size: int, threshold_mb) -> tuple[int, int, int]:
     """Resident bytes before, with and after freeing a 6 MiB tensor, once a stage-3 engine with
     ``cpu_mmap_threshold_mb=threshold_mb`` has trained two steps (whose frees of 16 MiB blocks raise
     glibc's own threshold above 6 MiB)."""
@@ -173,10 +173,6 @@ def _freed_block_after_training(threshold_mb) -> tuple[int, int, int]:
 
 
 
-def _freed_block_with_the_default(rank: int, world_size: int) -> tuple[int, int, int]:
-    return _freed_block_after_training(ZeroConfig().cpu_mmap_threshold_mb)
-
-
 @pytest.mark.timeout(120)
 def test_on_cpu_the_engine_makes_freed_blocks_leave_the_process(monkeypatch):
     """[Note: glibc's mmap threshold]: with the default ``cpu_mmap_threshold_mb`` a block of 4 MiB or
@@ -187,6 +183,7 @@ def test_on_cpu_the_engine_makes_freed_blocks_leave_the_process(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     MiB = 2**20
-    [(before, held, after)] = run_distributed(_freed_block_with_the_default, 1, fresh=True)
+    [(before, held, after)] = run_distributed(_freed_block_after_training, 1, ZeroConfig().cpu_mmap_threshold_mb,
+                                              fresh=True)
     assert held - before >= 5 * MiB, (before, held, after)  # it took fresh pages: not memory the heap had
     assert after - before <= MiB, (before, held, after)  # and gave them back
