@@ -7,7 +7,8 @@ step time, peak device memory and the losses against plain training (issue 15's 
 
 Variants (``--variants``): ``plain`` (``strategy="auto"``), ``zero2``, ``zero3`` (``"zero_stage_3"``
 with nothing else: units chosen by size), ``zero3_block`` (``shard_modules=["GPT2Block"]``),
-``zero2_offload``, ``zero3_offload`` (optimizer and parameters), ``fsdp`` (Lightning's FSDPStrategy,
+``zero2_offload``, ``zero3_offload`` (optimizer and parameters), ``*_offload_overlap`` (the same with
+``offload_overlap=True``), ``fsdp`` (Lightning's FSDPStrategy,
 GPT2Block wrapped), ``deepspeed2`` and ``deepspeed3`` (Lightning's DeepSpeed strategies, where
 ``import deepspeed`` works; the model's torch AdamW, so no compiled op is needed), and ``*_compiled``
 for any of them (``torch.compile`` of the network in ``configure_model``). Lightning's FSDP and
@@ -35,7 +36,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-DEFAULT_VARIANTS = "plain,zero2,zero3,zero3_block,zero2_offload,zero3_offload,fsdp,deepspeed2,deepspeed3"
+DEFAULT_VARIANTS = ("plain,zero2,zero3,zero3_block,zero2_offload,zero3_offload,zero2_offload_overlap,"
+                    "zero3_offload_overlap,fsdp,deepspeed2,deepspeed3")
 
 
 def _strategy(name: str) -> Any:
@@ -47,6 +49,9 @@ def _strategy(name: str) -> Any:
         return "auto"
     if name == "zero3_block":
         return ZeroStrategy(stage=3, shard_modules=["GPT2Block"])
+    if name in ("zero2_offload_overlap", "zero3_offload_overlap"):  # the host step started during backward
+        stage = int(name[len("zero")])
+        return ZeroStrategy(stage=stage, offload_optimizer=True, offload_params=stage == 3, offload_overlap=True)
     if name in ("zero2", "zero3", "zero2_offload", "zero3_offload"):
         return "zero_stage_" + name[len("zero"):]  # the registered names: zero_stage_2, zero_stage_3_offload, ...
     if name == "fsdp":

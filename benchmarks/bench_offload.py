@@ -140,6 +140,48 @@ def disk_step(params_millions: float, steps: int, tile_mb: float, folder: str, d
             "drop_cache": drop_cache, **out}
 
 
+def overlap_step(params_millions: float, steps: int, device: torch.device, batch: int) -> dict[str, Any]:
+    """A whole training step (forward, backward, ``step()``) at stage 2 with the optimizer offloaded,
+    with and without ``offload_overlap``, on one rank without a process group: the time of the step
+    and of ``step()`` alone (what is left after backward), and whether both end on the same weights."""
+    width = 2048
+    layers = max(1, round(params_millions * 1e6 / (width * width + width)))
+    variants = {"offload": {"offload_optimizer": True}, "overlap": {"offload_optimizer": True, "offload_overlap": True}}
+    runs, after_backward = {}, {name: [] for name in variants}
+    for name, options in variants.items():
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)))
+            x = torch.randn(batch, width, generator=torch.Generator(device).manual_seed(1), device=device)
+        runs[name] = (model, ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4), ZeroConfig(stage=2, **options)), x)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def trainer(name: str) -> Callable[[], None]:
+        model, opt, x = runs[name]
+
+        def train_step() -> None:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            sync()
+            start = time.perf_counter()
+            opt.step()
+            sync()
+            after_backward[name].append(time.perf_counter() - start)
+        return train_step
+
+    out = summarize(interleaved({k: trainer(k) for k in variants}, steps), "offload")
+    out["step_only_seconds"] = {k: statistics.median(v[1:]) for k, v in after_backward.items()}  # without the warm-up
+    (plain, opt_plain, _), (overlapped, opt_overlap, _) = runs["offload"], runs["overlap"]
+    out["same_weights"] = all(torch.equal(p, q) for p, q in zip(plain.parameters(), overlapped.parameters()))
+    out["overlap_stats"] = opt_overlap.offload_overlap_stats()
+    for opt in (opt_plain, opt_overlap):
+        opt.close()
+    return {"params": layers * (width * width + width), "device": str(device), "batch": batch, **out}
+
+
 def cuda_memory(params_millions: float, stage: int) -> dict[str, Any]:
     """Peak device bytes per parameter of a bf16 model trained one step with the optimizer (and at
     stage 3 the parameters) offloaded, on one GPU without a process group. Not yet run on a GPU
@@ -192,7 +234,10 @@ def main() -> None:
     parser.add_argument("--tile-mb", type=float, default=64.0, help="offload_tile_mb of the disk variant")
     parser.add_argument("--offload-dir", default=None, help="folder for the disk variant (default: a temp folder)")
     parser.add_argument("--drop-cache", action="store_true", help="drop the files' page cache after each step")
-    parser.add_argument("--skip", choices=("host", "disk"), nargs="*", default=(),
+    parser.add_argument("--overlap-params-millions", type=float, default=25.0,
+                        help="model size of the offload_overlap measurement (default 25)")
+    parser.add_argument("--overlap-batch", type=int, default=64, help="its batch (rows of width 2048)")
+    parser.add_argument("--skip", choices=("host", "disk", "overlap"), nargs="*", default=(),
                         help="leave these measurements out")
     parser.add_argument("--cuda-memory", type=float, metavar="MILLIONS",
                         help="also measure peak device memory at stages 2 and 3 with offload (a GPU model this big)")
@@ -221,6 +266,16 @@ def main() -> None:
             print(f"  {name:>11}: {sec * 1e3:9.1f} ms")
         print(f"  disk / host memory: {d['disk_over_host_memory']:.2f}x   "
               f"host memory / no offload: {d['host_memory_over_no_offload']:.2f}x")
+    if "overlap" not in args.skip:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        o = overlap_step(args.overlap_params_millions, args.steps, device, args.overlap_batch)
+        results["overlap_step"] = o
+        print(f"Training step, stage 2, optimizer offloaded, one rank, {o['params'] / 1e6:.1f}M parameters, Adam, "
+              f"batch {o['batch']}, {o['device']} (median of {args.steps}):")
+        for name, sec in o["seconds"].items():
+            print(f"  {name:>8}: {sec * 1e3:9.1f} ms a step, {o['step_only_seconds'][name] * 1e3:9.1f} ms of it in "
+                  f"step()   {o['speedup_over_offload'][name]:5.2f}x offload's speed (paired)")
+        print(f"  same weights: {o['same_weights']}   overlap: {o['overlap_stats']}")
     if args.cuda_memory:
         results["cuda_memory"] = [cuda_memory(args.cuda_memory, stage) for stage in args.cuda_stages]
         for row in results["cuda_memory"]:

@@ -74,8 +74,9 @@ step engine_tests 180 "$py" -m pytest "${pytest_args[@]}" -k "(gpu or cuda) and 
     tests/test_engine_gpu.py tests/test_engine_gpu_multirank.py tests/test_activation_checkpointing.py
 # issue 15's head-to-head: GPT-2 small through Lightning, a fresh process per strategy (DeepSpeed where
 # its wheel was carried and installed; skipped otherwise)
-step bench_gpt2 150 "$py" benchmarks/bench_gpt2_lightning.py --steps 20 \
-    --variants plain,zero2,zero3,zero3_offload,fsdp,deepspeed2,deepspeed3 --out "$out/bench_gpt2.json"
+step bench_gpt2 190 "$py" benchmarks/bench_gpt2_lightning.py --steps 20 \
+    --variants plain,zero2,zero3,zero2_offload,zero2_offload_overlap,zero3_offload,zero3_offload_overlap,fsdp,deepspeed2,deepspeed3 \
+    --out "$out/bench_gpt2.json"
 step bench_kernels 60 "$py" benchmarks/bench_kernels.py --out "$out/bench_kernels.json"
 step bench_fused_step 90 "$py" benchmarks/bench_fused_step.py --out "$out/bench_fused_step.json"
 step bench_activations 30 "$py" benchmarks/bench_activations.py --n-embd 256 --seq 256 --batch 16 --repeats 3 --device cuda

@@ -83,6 +83,8 @@ MAPPED = [  # (config, the strategy kwargs it gives)
     ({ZERO: {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
      {"stage": 2, "offload_optimizer": True}),
     ({ZERO: {"stage": 2, "cpu_offload": True}}, {"stage": 2, "offload_optimizer": True}),
+    ({ZERO: {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+     {"stage": 3, "offload_optimizer": True, "offload_overlap": True}),
     ({ZERO: {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}, "offload_param": {
         "device": "cpu"}, "sub_group_size": 1e8}},
      {"stage": 3, "offload_optimizer": True, "offload_dir": "/nvme", "offload_params": True,
@@ -182,6 +184,7 @@ REFUSED = [
     ({ZERO: {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param at stage 2"),
     ({ZERO: {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}}, "offload_param.device=\"nvme\""),
     ({ZERO: {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, "offload_optimizer.ratio=0.3"),
+    ({ZERO: {"stage": 1, "offload_optimizer": {"device": "cpu", "super_offload": True}}}, "super_offload: the host"),
     ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, "fp16.consecutive_hysteresis=true"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16-true"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'"), ({"optimizer": {"type": "OneBitAdam"}}, "OneBitAdam"),

@@ -76,6 +76,13 @@ class ZeroConfig:
     offload_tile_mb: float = 64.0
     """With offload_dir: MiB of fp32 master weights stepped per tile; host memory holds a few tiles."""
 
+    offload_overlap: bool = False
+    """With offload_optimizer at stage 2 or 3: start each segment's host update during backward, as soon
+    as its reduced gradient reaches the host, and commit it at the step where it is the step's own
+    (DeepSpeed's ``super_offload``). Equal results; costs host memory, a copy of the masters and of the
+    state (see [Note: the overlapped host step] in engine/overlap.py). Off by default: it helps only
+    where the device computes while the host is idle."""
+
     activation_checkpointing: tuple[Union[str, type], ...] = ()
     """Module classes (or class names) whose forward is recomputed in backward instead of keeping
     its activations (non-reentrant), e.g. ("Block",)."""
@@ -214,6 +221,18 @@ class ZeroConfig:
             if not self.offload_optimizer:
                 raise ValueError(f"offload_dir={self.offload_dir!r} keeps optimizer state on disk, which needs "
                                  "offload_optimizer=True; set it, or drop offload_dir.")
+        if not isinstance(self.offload_overlap, bool):
+            raise ValueError(f"offload_overlap={self.offload_overlap!r} must be True or False.")
+        if self.offload_overlap:
+            if not self.offload_optimizer or self.stage == 1:
+                raise ValueError(
+                    f"offload_overlap=True overlaps optimizer offload's host step with backward, which needs "
+                    f"offload_optimizer=True at stage 2 or 3 (got offload_optimizer={self.offload_optimizer}, "
+                    f"stage={self.stage}; stage 1 reduces gradients only at the step). Set those, or drop "
+                    "offload_overlap.")
+            if self.offload_dir is not None:
+                raise ValueError(f"offload_overlap=True needs the optimizer state in host memory, and "
+                                 f"offload_dir={self.offload_dir!r} keeps it on disk; drop one of them.")
         tile = self.offload_tile_mb
         if isinstance(tile, bool) or not isinstance(tile, (int, float)) or not math.isfinite(tile) or tile <= 0:
             raise ValueError(f"offload_tile_mb={tile!r} must be a positive, finite number of MiB.")

@@ -165,6 +165,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         offload_params: bool = False,
         offload_dir: Optional[str] = None,
         offload_tile_mb: float = 64.0,
+        offload_overlap: bool = False,
         activation_checkpointing: Sequence[Union[str, type]] = (),
         activation_checkpointing_interval: int = 1,
         offload_activations: bool = False,

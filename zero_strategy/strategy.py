@@ -100,6 +100,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         offload_params: bool = False,
         offload_dir: Optional[str] = None,
         offload_tile_mb: float = 64.0,
+        offload_overlap: bool = False,
         activation_checkpointing: Sequence[Union[str, type]] = (),
         activation_checkpointing_interval: int = 1,
         offload_activations: bool = False,

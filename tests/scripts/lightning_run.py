@@ -131,6 +131,8 @@ def strategy(name: str):
     if name == "zero3-linear":  # every Linear its own unit, nothing resident: the real stage 3 paths
         # the order guard checks every pass here, so that comm_stats() of the last step holds its tags
         return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0, check_unit_order_every=1)
+    if name == "zero2-offload-overlap":  # the host step started during backward
+        return ZeroStrategy(stage=2, offload_optimizer=True, offload_overlap=True)
     return name
 
 
@@ -202,6 +204,7 @@ def run(args: argparse.Namespace) -> None:
     memory = fit_trainer.strategy.memory_stats() if hasattr(fit_trainer.strategy, "memory_stats") else {}
     comm = fit_trainer.strategy.comm_stats() if hasattr(fit_trainer.strategy, "comm_stats") else {}
     config = dataclasses.asdict(fit_trainer.strategy.config) if hasattr(fit_trainer.strategy, "config") else {}
+    overlap = getattr(fit_trainer.optimizers[0], "offload_overlap_stats", dict)()
     validated = fit_trainer.validate(model, val, verbose=False)
     tested = fit_trainer.test(model, val, verbose=False)
     predicted = fit_trainer.predict(model, val)
@@ -217,6 +220,7 @@ def run(args: argparse.Namespace) -> None:
     torch.save({
         "losses": model.losses, "lrs": model.lrs, "validate": validated, "test": tested,
         "predict": torch.cat(predicted), "memory": memory, "comm": comm, "config": config, "collectives": collectives,
+        "overlap": overlap,
         "built_on": model.built_on,
         "metrics": fit_metrics, "world_size": fit_trainer.world_size,
         # whole at every stage (a collective); ZeroStrategy's lightning_module_state_dict is empty: see

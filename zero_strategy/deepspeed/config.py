@@ -224,6 +224,13 @@ class _Reader(Findings):
                     raise DeepSpeedConfigError("zero_optimization.offload_optimizer.device=\"nvme\" needs nvme_path, "
                                                "the folder to keep the optimizer state in.")
                 kwargs["offload_dir"] = section["nvme_path"]
+            if read_flag(section.get("super_offload", False), "zero_optimization.offload_optimizer.super_offload"):
+                if device == "nvme" or stage == 1:
+                    self.problems.append("zero_optimization.offload_optimizer.super_offload: the host step overlapped "
+                                         "with backward (offload_overlap) needs stage 2 or 3 and device \"cpu\"; "
+                                         "remove super_offload, or set those")
+                else:
+                    kwargs["offload_overlap"] = True
         device, section = self.offload_device(zero, "offload_param")
         if device != "none" and stage != 3:
             self.problems.append(f"zero_optimization.offload_param at stage {stage}: only stage 3 shards parameters; "

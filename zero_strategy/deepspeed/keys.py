@@ -126,7 +126,7 @@ MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section (""
                                     "allgather_bucket_size", "stage3_param_persistence_threshold",
                                     "stage3_prefetch_bucket_size", "sub_group_size", "zero_quantized_weights",
                                     "zero_hpz_partition_size", "zero_quantized_gradients"}),
-    "zero_optimization.offload_optimizer": frozenset({"device", "nvme_path", "pin_memory"}),
+    "zero_optimization.offload_optimizer": frozenset({"device", "nvme_path", "pin_memory", "super_offload"}),
     "zero_optimization.offload_param": frozenset({"device", "nvme_path", "pin_memory"}),
     "activation_checkpointing": frozenset({"cpu_checkpointing"}),
     "data_types": frozenset(),
@@ -246,8 +246,7 @@ RULES: dict[str, Rule] = {
     **{f"zero_optimization.{key}": _refused(_REMOVED) for key in (
         "mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")},
     **{f"zero_optimization.offload_optimizer.{key}": _harmless("NVMe/CPU offload tuning of DeepSpeed's; " + _SPEED)
-       for key in ("buffer_count", "pipeline_read", "pipeline_write", "fast_init", "super_offload",
-                   "cpuadam_cores_perc")},
+       for key in ("buffer_count", "pipeline_read", "pipeline_write", "fast_init", "cpuadam_cores_perc")},
     "zero_optimization.offload_optimizer.ratio": _only(1.0, "1.0: all of it", "partial offload is not supported: "
                                                        "all of the optimizer is offloaded or none; set 1.0"),
     **{f"zero_optimization.offload_param.{key}": _harmless("NVMe offload tuning of DeepSpeed's; " + _SPEED)

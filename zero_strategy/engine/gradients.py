@@ -224,11 +224,12 @@ class ShardedGradientReducer(GradientReducer):
                  host_dtypes: Optional[Sequence[torch.dtype]] = None, listener=None) -> None:
         super().__init__(groups, comm, position, host_dtypes)
         self.listener = listener
+        self.host_listener = None  # told when a segment's gradient is in its host shard: see overlap.py
         self._rank_in_order = {key: n for n, key in enumerate(self.order)}
         self.grad_shards = [h if h is not None else torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device)
                             for g, h in zip(self.groups, self.host_grads)]
         self._shard_filled = False  # False after zero_grad: the next reduction writes, not adds
-        self._inflight: deque = deque()  # (pending, staging, output, target, add)
+        self._inflight: deque = deque()  # (key, pending, staging, output, target, add)
         self._reset_backward_state()
 
     def _reset_backward_state(self) -> None:
@@ -314,13 +315,13 @@ class ShardedGradientReducer(GradientReducer):
         else:
             output = torch.empty_like(target) if add else target
         what = functools.partial(self._describe, gi, si)
-        self._inflight.append((self._reduce_scatter(gi, output, staging, what), buffer, output, target, add))
+        self._inflight.append((key, self._reduce_scatter(gi, output, staging, what), buffer, output, target, add))
         self._finish(len(self._inflight) - MAX_INFLIGHT)
 
     def _finish(self, count: int) -> None:
         """Complete the ``count`` oldest reductions in flight and recycle their staging buffers."""
         for _ in range(max(0, count)):
-            pending, buffer, output, target, add = self._inflight.popleft()
+            (gi, si), pending, buffer, output, target, add = self._inflight.popleft()
             pending.wait()
             if add:  # accumulating over micro-batches, or a late gradient
                 if target.device != output.device:
@@ -328,6 +329,8 @@ class ShardedGradientReducer(GradientReducer):
                 target.add_(output.to(target.device, target.dtype))
             elif output is not target:  # a device result for a host shard
                 target.copy_(output, non_blocking=True)
+            if self.host_listener is not None:
+                self.host_listener.segment_ready(gi, si, self.received[gi])
             self._pool.give(buffer)
 
     def _take_staging(self, group: FlatGroup, numel: int) -> torch.Tensor:

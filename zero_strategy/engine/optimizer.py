@@ -44,6 +44,7 @@ from .flat import FlatGroup
 from .gradients import make_reducer
 from .layout import Piece
 from .offload import HOST, DiskState, DiskStepper, host_optimizer_kwargs, wait_for_copies
+from .overlap import OverlappedHostStep
 from .parameters import ParameterSharder
 from .scaler import LossScaler
 from .step_grads import StepGradients
@@ -184,6 +185,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self._step = StepGradients()  # see [Note: state behind LightningOptimizer] in step_grads.py
         self._tiles, self._disk = self._plan_offload(config, type(optimizer), kwargs)
+        self._overlap = self._plan_overlap(config, type(optimizer), kwargs)
         self._tiled = None  # the CPU step in tiles: see [Note: the CPU step in tiles] in tiled_step.py
         if self._device.type == "cpu" and not self.offloaded and type(optimizer) in ELEMENTWISE_OPTIMIZERS:
             self._tiled = TiledStep(plan_tiles(self._shard_ranges(), CPU_TILE_NUMEL, split_pieces=True),
@@ -206,6 +208,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return plan_tiles(ranges, tile_numel, split_pieces=False), None
         disk = DiskState(config.offload_dir, self.comm.rank, [g.layout.shard_numel for g in self.groups])
         return [], DiskStepper(disk, plan_tiles(ranges, tile_numel, split_pieces=True), cls, kwargs)
+
+    def _plan_overlap(self, config: ZeroConfig, cls: type, kwargs: dict[str, Any]) -> Optional[OverlappedHostStep]:
+        """The host step started during backward (``offload_overlap``): see [Note: the overlapped host
+        step] in overlap.py."""
+        if not config.offload_overlap:
+            return None
+        if cls not in ELEMENTWISE_OPTIMIZERS:
+            raise ValueError(
+                f"offload_overlap=True computes the update with scratch optimizers of the user's class, which is "
+                f"verified only for torch's own {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; "
+                f"{cls.__module__}.{cls.__qualname__} is not one of them (a subclass may keep state of its own). "
+                "Set offload_overlap=False.")
+        overlap = OverlappedHostStep(
+            self.groups, self._pieces, self._user_group, cls, kwargs, state=lambda: self.inner.state,
+            settings=self._coming_settings, factor=self._grad_factor,
+            grad_of=lambda gi, pi: self.reducer.piece_grad(gi, self.groups[gi].pieces[pi]))
+        self.reducer.host_listener = overlap
+        return overlap
+
+    def _coming_settings(self) -> list[dict[str, Any]]:
+        """Each param group's hyperparameters as the next step will set them in the inner optimizer."""
+        kept = self._kept_settings()
+        return [{**{k: v for k, v in inner.items() if k != "params"}, **{k: v for k, v in user.items() if k not in kept}}
+                for user, inner in zip(self.param_groups, self.inner.param_groups)]
+
+    def _kept_settings(self) -> tuple[str, ...]:
+        """What the step keeps of the inner optimizer's param groups rather than take from the user's."""
+        return ("params", "fused", "foreach", "capturable") if self.offloaded else ("params",)
+
+    def _grad_factor(self) -> float:
+        """What the reduced gradients are multiplied by before the step (1 / loss scale)."""
+        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
     def _shard_ranges(self) -> list[list[tuple[int, int]]]:
         """Per group, each piece's elements ``[start, end)`` in this rank's shard."""
@@ -243,6 +277,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         if self._step.ready:
             return
+        if self._overlap is not None:
+            self._overlap.wait()  # its reads of the host gradients end before anything scales them
         self.reducer.reduce()
         received = self.reducer.received_anywhere()
         if self.offloaded:
@@ -274,6 +310,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The master gradients (see reduce_gradients), unscaled and clipped, in the masters' dtype."""
         self.reduce_gradients()
         self._step.materialize()
+        self._step.altered = True  # the caller may change them
         return self._step.grads
 
     @property
@@ -289,13 +326,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.reduce_gradients()
         if self._step.overflow:  # parameters and optimizer state stay as they are
+            if self._overlap is not None:
+                self._overlap.discard()
             self.scaler.update(overflow=True)
             self.comm.end_step()
             return loss
         for tensors in self._pieces:
             for t in tensors:
                 t.grad = None
-        kept = ("params", "fused", "foreach", "capturable") if self.offloaded else ("params",)
+        kept = self._kept_settings()
         for user_group, inner_group in zip(self.param_groups, self.inner.param_groups):
             inner_group.update({k: v for k, v in user_group.items() if k not in kept})
         if self.offloaded:
@@ -361,17 +400,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._disk.step(self._pieces, self._piece_offsets(), grad_of, self.inner.state, self._settings_of(),
                                 written)
                 return
+            taken = {}  # updates made during backward: see [Note: the overlapped host step] in overlap.py
+            if self._overlap is not None:
+                taken = self._overlap.take(self._settings_of(), self._grad_factor(), self._step.altered)
             for tile in self._tiles:
                 live = [p for p in tile if (p.group, p.piece) in grad_of]
                 if not live:
                     continue
+                stepping = []
                 for p in live:
-                    self._pieces[p.group][p.piece].grad = grad_of[(p.group, p.piece)]
-                try:
-                    unhooked_step(self.inner)
-                finally:
-                    for p in live:
-                        self._pieces[p.group][p.piece].grad = None
+                    key = (p.group, p.piece)
+                    if key in taken:
+                        self._overlap.commit(key, taken[key], self.inner.state)  # type: ignore[union-attr]
+                    else:
+                        stepping.append(p)
+                        self._pieces[p.group][p.piece].grad = grad_of[key]
+                if stepping:
+                    try:
+                        unhooked_step(self.inner)
+                    finally:
+                        for p in stepping:
+                            self._pieces[p.group][p.piece].grad = None
                 written(live)
 
         hooked_step(self.inner, tiles)
@@ -397,6 +446,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._overlap is not None:
+            self._overlap.discard()
         self.reducer.zero_grad()
         self._step.reset()
         for tensors in self._pieces:
@@ -434,6 +485,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.comm.all_reduce(total, what=what)
             total = total.pow(1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        if self._overlap is not None and not bool((coef == 1).all()):
+            self._step.altered = True  # the updates made during backward used the unclipped gradients
         self._step.multiply(coef)
         return total.to(torch.float32)
 
@@ -466,6 +519,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return consolidate_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._overlap is not None:
+            self._overlap.discard()
         shard_state(self, state_dict)
         self.state = self.inner.state  # type: ignore[assignment]  # torch's load gives the inner a new dict
         if self.offloaded:
@@ -483,23 +538,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this engine keeps alive, by kind (the inner optimizer's state aside), under
         ``host`` those of them (and of the state) that live in host memory because of offload, and
-        under ``workspace`` the staging buffers kept for the next backward."""
+        under ``workspace`` the staging buffers kept for the next backward; ``master_params`` includes the
+        shadows of ``offload_overlap``, and ``pending_states`` its second copy of the optimizer state."""
         masters = [g.master_shard for g in self.groups if g.master_shard is not None]
+        pending: list[torch.Tensor] = []  # optimizer state of the overlapped step, not yet committed
+        if self._overlap is not None:
+            masters += self._overlap.shadows()
+            pending = self._overlap.extra_state()
         host: list[torch.Tensor] = []
         if self.offloaded:
             state = [v for entry in self.inner.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
-            host = [*self.reducer.host_tensors(), *(m for m in masters if m.device == HOST), *state]
+            host = [*self.reducer.host_tensors(), *(m for m in masters if m.device == HOST), *state, *pending]
         return {"grads": self.reducer.held_tensors(),  # fp32 weights are their own master: no copy
-                "master_params": masters, "host": host, "workspace": self.reducer.workspace_tensors()}
+                "master_params": masters, "pending_states": pending, "host": host,
+                "workspace": self.reducer.workspace_tensors()}
 
     def disk_bytes(self) -> int:
         """Bytes of optimizer state in ``offload_dir`` files (0 without disk offload)."""
         return self._disk.disk.nbytes() if self._disk is not None else 0
 
+    def offload_overlap_stats(self) -> dict[str, int]:
+        """With ``offload_overlap``: how many piece updates made during backward the steps committed,
+        computed again (a segment reduced again) and dropped (see [Note: the overlapped host step] in
+        overlap.py); empty without it."""
+        return dict(self._overlap.stats) if self._overlap is not None else {}
+
     def close(self) -> None:
-        """Delete the disk-offload files now (otherwise when this object is collected, or at exit)."""
+        """Delete the disk-offload files and stop the overlapped step's worker now (otherwise when this
+        object is collected, or at exit)."""
         if self._disk is not None:
             self._disk.disk.close()
+        if self._overlap is not None:
+            self._overlap.close()
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()

@@ -40,6 +40,7 @@ class StepGradients:
         self.overflow = False
         self.scale: GradScale = 1.0  # what the gradients still owe (deferred only)
         self.deferred = False  # raw gradients and a factor: see [Note: the fused mixed-precision step]
+        self.altered = False  # changed since reduced (clipped, or handed out): see overlap.py
 
     @property
     def ready(self) -> bool:
@@ -53,7 +54,7 @@ class StepGradients:
     def set(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], where: list[tuple[int, int]], deferred: bool,
             loss_scale: Optional[float]) -> None:
         """The reduced gradients (``deferred``: as reduced; else already fp32 copies), before unscaling."""
-        self.pairs, self.where, self.deferred, self.overflow = pairs, where, deferred, False
+        self.pairs, self.where, self.deferred, self.overflow, self.altered = pairs, where, deferred, False, False
         factor = 1.0 / loss_scale if loss_scale is not None else 1.0
         if deferred:
             self.scale = factor

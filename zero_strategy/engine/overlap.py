@@ -1,0 +1,230 @@
+"""Optimizer offload's host step, started during backward (``offload_overlap``).
+
+[Note: the overlapped host step]
+Without it, the host steps the whole shard after backward, while the device waits. With it, each
+segment's host update starts on a worker thread as soon as the segment's reduced gradient has
+reached the host (stages 2 and 3 reduce segments during backward: see [Note: gradients to the host]
+in gradients.py), and the step itself only commits the results. The update is speculative: the
+decisions that may change it come later, so it is computed aside, where nothing else reads it,
+and committed only where it is the update the step would have made.
+
+- *Aside*: the worker steps a shadow of each master piece (a copy of it, kept from step to step)
+  and a copy of its state (into the tensors the state had before the last commit, once there are
+  such), with a scratch optimizer of the user's class (``step_views``). The
+  masters, the optimizer state and the device weights stay as they are until the commit, so a
+  forward, a gather (the host shard is the parameters at stage 3 with ``offload_params``), a
+  checkpoint or a discarded step see the values before the step.
+- *Commit*: at ``step()``, a piece's result is taken when its gradient is the one it was computed
+  from, its param group's hyperparameters are the ones the step uses, the loss scale is the same,
+  and nothing scaled or clipped the gradients since (a clip coefficient of exactly 1 changes
+  nothing, so it does not count). Taking it is a copy of the shadow into the master and the new
+  state in place of the old (so ``inner.state[piece]`` holds other tensors after each step: a state
+  dict kept from an earlier step sees them overwritten, as torch's in-place update would); every other piece steps at ``step()`` as without the overlap. Either
+  way the values are those of the non-overlapped step, bit for bit (``tests/test_offload_overlap.py``).
+- *Redo*: a segment reduced again (gradient accumulation, a late gradient: [Note: late
+  gradients]) is updated again from its new gradient, superseding the earlier result. An overflow
+  of the loss scaler, ``zero_grad`` or a loaded state dict drops every result.
+
+Only pieces whose parameter got a gradient on this rank are updated early (those are stepped
+whatever the other ranks did); the others wait for the step, which knows whether some rank had
+one. The cost is host memory, a shadow of the masters and a second copy of the state, kept from
+step to step (12 bytes per parameter for Adam), and the host work of results that are dropped.
+``stats`` counts what was committed and redone.
+"""
+
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .flat import FlatGroup
+from .state import is_elementwise
+from .tiled_step import PieceKey, copy_scalar, step_views
+
+GroupSettings = list[dict[str, Any]]  # per user param group, the hyperparameters of the coming step
+
+
+@dataclass
+class _Result:
+    """One piece's update computed aside."""
+
+    shadow: torch.Tensor  # the updated master
+    state: dict[str, Any]  # its new state
+    segment: tuple[int, int]
+    generation: int  # of the segment's gradient it was computed from
+    settings: dict[str, Any]  # the hyperparameters it used
+    factor: float  # the gradient was multiplied by this (1 / loss scale)
+
+
+class OverlappedHostStep:
+    """Speculative host updates, per segment, on one worker thread: see [Note: the overlapped host
+    step]. ``masters[group][piece]`` are the tensors the inner optimizer steps (host, 1-D), their
+    state in ``state`` (the inner optimizer's, read at submission and changed only by ``commit``)."""
+
+    def __init__(self, groups: Sequence[FlatGroup], masters: Sequence[Sequence[torch.Tensor]],
+                 user_group: Sequence[Sequence[int]], cls: type, kwargs: dict[str, Any],
+                 state: Callable[[], dict[torch.Tensor, dict[str, Any]]],
+                 settings: Callable[[], GroupSettings], factor: Callable[[], float],
+                 grad_of: Callable[[int, int], torch.Tensor]) -> None:
+        self.groups = list(groups)
+        self.masters = masters
+        self.user_group = user_group
+        self.cls = cls
+        self.kwargs = kwargs
+        self._state, self._settings, self._factor, self._grad_of = state, settings, factor, grad_of
+        self._pieces_of = [[[pi for pi, piece in enumerate(g.pieces) if g.layout.param_segments[piece.param] == si]
+                            for si in range(len(g.segments))] for g in self.groups]
+        self._shadows: dict[PieceKey, torch.Tensor] = {}
+        self._spares: dict[tuple[int, int, str], torch.Tensor] = {}  # state tensors free for the next update
+        self._generation: dict[tuple[int, int], int] = {}  # per segment, bumped at each reduction
+        self._jobs: list[Future] = []
+        self._results: dict[PieceKey, _Result] = {}
+        self.stats = {"committed": 0, "redone": 0, "dropped": 0}  # pieces, since construction
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-step")
+        self._finalizer = weakref.finalize(self, self._worker.shutdown, wait=False)
+
+    # ---- during backward (main thread) -----------------------------------------------------
+
+    def segment_ready(self, gi: int, si: int, received: Sequence[bool]) -> None:
+        """Segment ``si`` of group ``gi`` has its reduced gradient in the host shard (or a copy to it
+        queued on the current CUDA stream): update its pieces whose parameter got a gradient here."""
+        key = (gi, si)
+        generation = self._generation[key] = self._generation.get(key, 0) + 1
+        pieces = [pi for pi in self._pieces_of[gi][si] if received[self.groups[gi].pieces[pi].param]]
+        if not pieces:
+            return
+        if generation > 1:  # reduced again in this step: the earlier update is superseded
+            self.stats["redone"] += len(pieces)
+        event = None
+        if self.groups[gi].device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()  # after the copy to the host shard
+        state = self._state()
+        settings = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items()}
+                    for group in self._settings()]  # as they are now: a scheduler may change a tensor lr in place
+        work = []
+        for pi in pieces:
+            master = self.masters[gi][pi]
+            shadow = self._shadows.get((gi, pi))
+            if shadow is None:
+                shadow = self._shadows[(gi, pi)] = torch.empty_like(master)
+            setting = settings[self.user_group[gi][pi]]
+            entry = dict(state.get(master, {}))
+            spares = {k: self._spares.pop((gi, pi, k), None) for k, v in entry.items() if is_elementwise(v)}
+            work.append((pi, master, shadow, entry, spares, setting))
+        self._jobs.append(self._worker.submit(self._update, key, generation, work, self._factor(), event))
+
+    def _update(self, segment: tuple[int, int], generation: int, work: list, factor: float,
+                event: Optional[torch.cuda.Event]) -> dict[PieceKey, _Result]:
+        """The worker's part: the pieces' update into their shadows and fresh state."""
+        if self._generation.get(segment) != generation:
+            return {}  # superseded before it started
+        if event is not None:
+            event.synchronize()
+        gi = segment[0]
+        with torch.no_grad():
+            views = []
+            for pi, master, shadow, entry, spares, setting in work:
+                shadow.copy_(master)
+                fresh = {k: _copy_into(spares.get(k), v) if is_elementwise(v) else copy_scalar(v)
+                         for k, v in entry.items()}
+                grad = self._grad_of(gi, pi)
+                if factor != 1.0:
+                    grad = grad * factor  # as the step's in-place unscale computes it
+                views.append((shadow, grad, (self.user_group[gi][pi], setting), fresh))
+            stepped = step_views(self.cls, self.kwargs, views)
+        return {(gi, pi): _Result(shadow, stepped.get(shadow, {}), segment, generation, setting, factor)
+                for pi, _, shadow, _, _, setting in work}
+
+    # ---- at the step (main thread) ---------------------------------------------------------
+
+    def wait(self) -> None:
+        """Let every submitted update finish (before anything writes the host gradients); errors of
+        the worker surface here."""
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            for key, result in job.result().items():
+                if result.generation == self._generation.get(result.segment):  # else superseded
+                    self._results[key] = result
+
+    def take(self, settings: Callable[[int, int], tuple[int, dict[str, Any]]], factor: float,
+             altered: bool) -> dict[PieceKey, _Result]:
+        """The results the step may commit (see [Note: the overlapped host step]); the rest are
+        dropped. ``settings(group, piece)`` gives the hyperparameters the step uses; ``altered``: the
+        gradients were changed since their reduction (clipped, say)."""
+        self.wait()
+        results, self._results = self._results, {}
+        self._generation.clear()
+        valid = {} if altered else {key: r for key, r in results.items()
+                                    if r.factor == factor and same_settings(r.settings, settings(*key)[1])}
+        for key, result in results.items():
+            if key not in valid:
+                self._keep_spares(key, result.state)
+        self.stats["dropped"] += len(results) - len(valid)
+        return valid
+
+    def commit(self, key: PieceKey, result: _Result, state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Make a taken result the piece's master and state."""
+        master = self.masters[key[0]][key[1]]
+        master.copy_(result.shadow)
+        if result.state:
+            old = state.get(master, {})
+            state[master] = {**old, **result.state}
+            self._keep_spares(key, {k: v for k, v in old.items() if v is not result.state.get(k)})
+        self.stats["committed"] += 1
+
+    def discard(self) -> None:
+        """Drop every result (the step is skipped, or the gradients or the state are replaced)."""
+        self.wait()
+        self.stats["dropped"] += len(self._results)
+        for key, result in self._results.items():
+            self._keep_spares(key, result.state)
+        self._results.clear()
+        self._generation.clear()
+
+    def _keep_spares(self, key: PieceKey, entry: dict[str, Any]) -> None:
+        """State tensors nothing uses any more: the next update of the piece writes into them."""
+        for k, v in entry.items():
+            if is_elementwise(v) and isinstance(v, torch.Tensor):
+                self._spares[(*key, k)] = v
+
+    def shadows(self) -> list[torch.Tensor]:
+        """The masters' shadows (host memory kept from step to step)."""
+        return list(self._shadows.values())
+
+    def extra_state(self) -> list[torch.Tensor]:
+        """The second copy of the optimizer state: spare tensors, and state computed aside and not yet
+        committed (between a backward and its step)."""
+        pending = [v for r in self._results.values() for v in r.state.values() if is_elementwise(v)]
+        return [*self._spares.values(), *pending]
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _copy_into(spare: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value``, in ``spare`` where it fits."""
+    if spare is None or spare.shape != value.shape or spare.dtype != value.dtype or spare.device != value.device:
+        return value.clone()
+    return spare.copy_(value)
+
+
+def same_settings(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two param groups' hyperparameters are the same values (tensors compared by value)."""
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+
+
+def _same(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                and x.dtype == y.dtype and bool(torch.equal(x.cpu(), y.cpu())))
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
+    try:
+        return type(x) is type(y) and bool(x == y)
+    except Exception:  # values without a plain equality
+        return False
