@@ -206,3 +206,89 @@ def test_the_overlapped_step_through_the_trainer_matches_ddp(tmp_root):
                 assert stats["committed"] > 0 and stats["dropped"] == 0, (name, stats)
             if name == "accumulate":
                 assert stats["redone"] > 0, stats
+
+
+def _one_process(loop, stage=2, scaler=False, **options):
+    """``loop(model, user_opt, opt)`` on OddMLP, with and without the overlap: weights, state, stats."""
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = OddMLP()
+        config = ZeroConfig(stage=stage, bucket_cap_mb=TINY_BUCKET_MB, offload_optimizer=True, offload_overlap=overlap,
+                            **(UNITS if stage == 3 else {}), **options)
+        user_opt = torch.optim.Adam(param_groups(model), lr=0.01)
+        sharder = shard_module(model, config) if stage == 3 else None
+        opt = ZeroOptimizer(user_opt, config, sharder=sharder, scaler=LossScaler(scale=2.0**4) if scaler else None)
+        loop(model, user_opt, opt)
+        with gathered_parameters(model):
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[overlap] = params, opt.state_dict(), opt.offload_overlap_stats(), memory_stats(model, [opt])
+        opt.close()
+    (want, want_state, _, _), (got, got_state, stats, memory) = out[False], out[True]
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    for index, entry in want_state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(got_state["state"][index][key]), torch.as_tensor(value)), (index, key)
+    return stats, out[False][3], memory
+
+
+def _backward(model, opt, step, micro=0):
+    x, y = batch(10 * step + micro, 0)
+    loss = F.mse_loss(model(x, step, 0), y)
+    (opt.scaler.scale_loss(loss) if opt.scaler is not None else loss).backward()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_the_step_prepared_already_are_not_updated_early(stage):
+    """A backward that adds to gradients reduce_gradients has unscaled (no zero_grad between steps,
+    or clip_grad_norm_ between micro-batches) must not commit an update of its own unscaling."""
+    def no_zero_grad(model, user_opt, opt):
+        for step in range(4):
+            _backward(model, opt, step)
+            opt.step()
+
+    def clip_between_micro_batches(model, user_opt, opt):
+        for step in range(3):
+            opt.zero_grad()
+            _backward(model, opt, step, 0)
+            opt.clip_grad_norm_(1e3)
+            _backward(model, opt, step, 1)
+            opt.step()
+
+    stats = _one_process(no_zero_grad, stage, scaler=True)[0]
+    assert stats["committed"] > 0, stats  # the first step's
+    stats = _one_process(clip_between_micro_batches, stage, scaler=True)[0]
+    assert stats["committed"] == 0, stats
+
+
+def test_hyperparameters_changed_in_place_after_backward_are_seen():
+    def loop(model, user_opt, opt):
+        user_opt.param_groups[0]["betas"] = [0.9, 0.999]  # a list, changed in place below
+        for step in range(3):
+            opt.zero_grad()
+            _backward(model, opt, step)
+            if opt.reducer.host_listener is not None:
+                opt.reducer.host_listener.wait()  # the worker is done with the old betas
+            user_opt.param_groups[0]["betas"][1] = 0.99 - 0.01 * step
+            opt.step()
+
+    stats = _one_process(loop)[0]
+    assert stats["dropped"] > 0 and stats["committed"] > 0, stats  # group 1 kept its betas
+
+
+def test_accumulation_holds_one_update_per_piece():
+    def accumulate(micro_batches):
+        def loop(model, user_opt, opt):
+            for step in range(2):
+                opt.zero_grad()
+                for micro in range(micro_batches):
+                    _backward(model, opt, step, micro)
+                opt.step()
+        return loop
+
+    _, plain, many = _one_process(accumulate(8))
+    # at most a second copy of the state (spares: pieces stepped once, like ``sometimes``, keep theirs)
+    assert plain["optimizer_states"] < many["optimizer_states"] <= 2 * plain["optimizer_states"], (many, plain)
+    # a shadow per master piece (the master shard also holds the alignment padding between pieces)
+    assert plain["master_params"] < many["master_params"] <= 2 * plain["master_params"], (many, plain)

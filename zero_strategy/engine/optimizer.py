@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -220,11 +221,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"verified only for torch's own {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}; "
                 f"{cls.__module__}.{cls.__qualname__} is not one of them (a subclass may keep state of its own). "
                 "Set offload_overlap=False.")
+        me = weakref.proxy(self)  # the gradient hooks hold the overlap: it must not keep this optimizer alive
         overlap = OverlappedHostStep(
-            self.groups, self._pieces, self._user_group, cls, kwargs, state=lambda: self.inner.state,
-            settings=self._coming_settings, factor=self._grad_factor,
-            grad_of=lambda gi, pi: self.reducer.piece_grad(gi, self.groups[gi].pieces[pi]))
+            self.groups, self._pieces, self._user_group, cls, kwargs, state=lambda: me.inner.state,
+            settings=lambda: me._coming_settings(), factor=lambda: None if me._step.ready else me._grad_factor(),
+            grad_of=lambda gi, pi: me.reducer.piece_grad(gi, me.groups[gi].pieces[pi]))
         self.reducer.host_listener = overlap
+        weakref.finalize(self, overlap.close)
         return overlap
 
     def _coming_settings(self) -> list[dict[str, Any]]:

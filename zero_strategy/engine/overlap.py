@@ -22,8 +22,11 @@ and committed only where it is the update the step would have made.
   dict kept from an earlier step sees them overwritten, as torch's in-place update would); every other piece steps at ``step()`` as without the overlap. Either
   way the values are those of the non-overlapped step, bit for bit (``tests/test_offload_overlap.py``).
 - *Redo*: a segment reduced again (gradient accumulation, a late gradient: [Note: late
-  gradients]) is updated again from its new gradient, superseding the earlier result. An overflow
-  of the loss scaler, ``zero_grad`` or a loaded state dict drops every result.
+  gradients]) is updated again from its new gradient, superseding the earlier result (whose
+  tensors are reused, so accumulation holds one result per piece). An overflow of the loss
+  scaler, ``zero_grad`` or a loaded state dict drops every result. A backward that adds to
+  gradients the step has prepared already (``clip_grad_norm_`` between micro-batches, or no
+  ``zero_grad`` between steps) is not updated early.
 
 Only pieces whose parameter got a gradient on this rank are updated early (those are stepped
 whatever the other ranks did); the others wait for the step, which knows whether some rank had
@@ -34,6 +37,7 @@ step to step (12 bytes per parameter for Adam), and the host work of results tha
 
 from __future__ import annotations
 
+import copy
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,12 +67,16 @@ class _Result:
 class OverlappedHostStep:
     """Speculative host updates, per segment, on one worker thread: see [Note: the overlapped host
     step]. ``masters[group][piece]`` are the tensors the inner optimizer steps (host, 1-D), their
-    state in ``state`` (the inner optimizer's, read at submission and changed only by ``commit``)."""
+    state in ``state()`` (the inner optimizer's, read at submission and changed only by ``commit``);
+    ``settings()`` gives each param group's hyperparameters as the coming step will set them,
+    ``factor()`` what the step multiplies the reduced gradients by (1 / loss scale), or None once it
+    has prepared them (a backward after ``reduce_gradients`` without ``zero_grad``: such gradients
+    are not updated early), and ``grad_of(group, piece)`` the host gradient."""
 
     def __init__(self, groups: Sequence[FlatGroup], masters: Sequence[Sequence[torch.Tensor]],
                  user_group: Sequence[Sequence[int]], cls: type, kwargs: dict[str, Any],
                  state: Callable[[], dict[torch.Tensor, dict[str, Any]]],
-                 settings: Callable[[], GroupSettings], factor: Callable[[], float],
+                 settings: Callable[[], GroupSettings], factor: Callable[[], Optional[float]],
                  grad_of: Callable[[int, int], torch.Tensor]) -> None:
         self.groups = list(groups)
         self.masters = masters
@@ -92,20 +100,27 @@ class OverlappedHostStep:
     def segment_ready(self, gi: int, si: int, received: Sequence[bool]) -> None:
         """Segment ``si`` of group ``gi`` has its reduced gradient in the host shard (or a copy to it
         queued on the current CUDA stream): update its pieces whose parameter got a gradient here."""
+        if not self._finalizer.alive:  # closed
+            return
         key = (gi, si)
         generation = self._generation[key] = self._generation.get(key, 0) + 1
+        self._collect(done_only=True)
+        for pi in self._pieces_of[gi][si]:  # an earlier update of the segment is superseded
+            old = self._results.pop((gi, pi), None)
+            if old is not None:
+                self._keep_spares((gi, pi), old.state)
         pieces = [pi for pi in self._pieces_of[gi][si] if received[self.groups[gi].pieces[pi].param]]
-        if not pieces:
+        factor = self._factor()
+        if not pieces or factor is None:  # None: the step's gradients are prepared already (see factor)
             return
-        if generation > 1:  # reduced again in this step: the earlier update is superseded
+        if generation > 1:  # reduced again in this step
             self.stats["redone"] += len(pieces)
         event = None
         if self.groups[gi].device.type == "cuda":
             event = torch.cuda.Event()
             event.record()  # after the copy to the host shard
         state = self._state()
-        settings = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items()}
-                    for group in self._settings()]  # as they are now: a scheduler may change a tensor lr in place
+        settings = copy.deepcopy(self._settings())  # as they are now: a scheduler may change a tensor in place
         work = []
         for pi in pieces:
             master = self.masters[gi][pi]
@@ -116,16 +131,17 @@ class OverlappedHostStep:
             entry = dict(state.get(master, {}))
             spares = {k: self._spares.pop((gi, pi, k), None) for k, v in entry.items() if is_elementwise(v)}
             work.append((pi, master, shadow, entry, spares, setting))
-        self._jobs.append(self._worker.submit(self._update, key, generation, work, self._factor(), event))
+        self._jobs.append(self._worker.submit(self._update, key, generation, work, factor, event))
 
     def _update(self, segment: tuple[int, int], generation: int, work: list, factor: float,
                 event: Optional[torch.cuda.Event]) -> dict[PieceKey, _Result]:
         """The worker's part: the pieces' update into their shadows and fresh state."""
-        if self._generation.get(segment) != generation:
-            return {}  # superseded before it started
+        gi = segment[0]
+        if self._generation.get(segment) != generation:  # superseded before it started: hand the spares back
+            return {(gi, pi): _Result(shadow, {k: v for k, v in spares.items() if v is not None}, segment, generation,
+                                      setting, factor) for pi, _, shadow, _, spares, setting in work}
         if event is not None:
             event.synchronize()
-        gi = segment[0]
         with torch.no_grad():
             views = []
             for pi, master, shadow, entry, spares, setting in work:
@@ -145,11 +161,22 @@ class OverlappedHostStep:
     def wait(self) -> None:
         """Let every submitted update finish (before anything writes the host gradients); errors of
         the worker surface here."""
-        jobs, self._jobs = self._jobs, []
-        for job in jobs:
+        self._collect(done_only=False)
+
+    def _collect(self, done_only: bool) -> None:
+        """Take the results of the finished updates (of all, waiting, unless ``done_only``); a superseded
+        one's state tensors become spares, so accumulation holds one result per piece."""
+        running = []
+        for job in self._jobs:
+            if done_only and not job.done():
+                running.append(job)
+                continue
             for key, result in job.result().items():
-                if result.generation == self._generation.get(result.segment):  # else superseded
+                if result.generation == self._generation.get(result.segment):
                     self._results[key] = result
+                else:
+                    self._keep_spares(key, result.state)
+        self._jobs = running
 
     def take(self, settings: Callable[[int, int], tuple[int, dict[str, Any]]], factor: float,
              altered: bool) -> dict[PieceKey, _Result]:
@@ -199,11 +226,18 @@ class OverlappedHostStep:
     def extra_state(self) -> list[torch.Tensor]:
         """The second copy of the optimizer state: spare tensors, and state computed aside and not yet
         committed (between a backward and its step)."""
+        self.wait()  # the state held by updates in flight too
         pending = [v for r in self._results.values() for v in r.state.values() if is_elementwise(v)]
         return [*self._spares.values(), *pending]
 
     def close(self) -> None:
+        """Stop the worker and free the shadows (also when the optimizer is collected: the gradient
+        hooks may keep this object alive longer)."""
         self._finalizer()
+        self._jobs.clear()
+        self._results.clear()
+        self._shadows.clear()
+        self._spares.clear()
 
 
 def _copy_into(spare: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
