@@ -237,6 +237,7 @@ def main() -> None:
     parser.add_argument("--overlap-params-millions", type=float, default=25.0,
                         help="model size of the offload_overlap measurement (default 25)")
     parser.add_argument("--overlap-batch", type=int, default=64, help="its batch (rows of width 2048)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for the whole run (default: torch's)")
     parser.add_argument("--skip", choices=("host", "disk", "overlap"), nargs="*", default=(),
                         help="leave these measurements out")
     parser.add_argument("--cuda-memory", type=float, metavar="MILLIONS",
@@ -246,6 +247,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                                "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
     if "host" not in args.skip:

@@ -403,9 +403,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._disk.step(self._pieces, self._piece_offsets(), grad_of, self.inner.state, self._settings_of(),
                                 written)
                 return
-            taken = {}  # updates made during backward: see [Note: the overlapped host step] in overlap.py
+            taken, swapped = {}, set()  # updates made during backward: see [Note: the overlapped host step]
             if self._overlap is not None:
                 taken = self._overlap.take(self._settings_of(), self._grad_factor(), self._step.altered)
+                swapped = self._overlap.swap(taken, grad_of.keys(), self.inner.state)
             for tile in self._tiles:
                 live = [p for p in tile if (p.group, p.piece) in grad_of]
                 if not live:
@@ -413,6 +414,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 stepping = []
                 for p in live:
                     key = (p.group, p.piece)
+                    if key in swapped:
+                        continue
                     if key in taken:
                         self._overlap.commit(key, taken[key], self.inner.state)  # type: ignore[union-attr]
                     else:
@@ -561,8 +564,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._disk.disk.nbytes() if self._disk is not None else 0
 
     def offload_overlap_stats(self) -> dict[str, int]:
-        """With ``offload_overlap``: how many piece updates made during backward the steps committed,
-        computed again (a segment reduced again) and dropped (see [Note: the overlapped host step] in
+        """With ``offload_overlap``: how many piece updates made during backward the steps committed (of
+        them, how many without a copy: ``swapped``), computed again (a segment reduced again) and dropped (see [Note: the overlapped host step] in
         overlap.py); empty without it."""
         return dict(self._overlap.stats) if self._overlap is not None else {}
 

@@ -17,8 +17,11 @@ and committed only where it is the update the step would have made.
 - *Commit*: at ``step()``, a piece's result is taken when its gradient is the one it was computed
   from, its param group's hyperparameters are the ones the step uses, the loss scale is the same,
   and nothing scaled or clipped the gradients since (a clip coefficient of exactly 1 changes
-  nothing, so it does not count). Taking it is a copy of the shadow into the master and the new
-  state in place of the old (so ``inner.state[piece]`` holds other tensors after each step: a state
+  nothing, so it does not count). Taking it costs no copy where a whole flat group is taken and
+  its master is a copy of its own (offload's host master): the group's shadow is a second master
+  shard, and the two trade places (``swap``). Elsewhere (a group partly taken, or the parameter
+  shard itself at stage 3 with ``offload_params``) it is a copy of the shadow into the master.
+  The new state takes the place of the old (so ``inner.state[piece]`` holds other tensors after each step: a state
   dict kept from an earlier step sees them overwritten, as torch's in-place update would); every other piece steps at ``step()`` as without the overlap. Either
   way the values are those of the non-overlapped step, bit for bit (``tests/test_offload_overlap.py``).
 - *Redo*: a segment reduced again (gradient accumulation, a late gradient: [Note: late
@@ -32,7 +35,8 @@ Only pieces whose parameter got a gradient on this rank are updated early (those
 whatever the other ranks did); the others wait for the step, which knows whether some rank had
 one. The cost is host memory, a shadow of the masters and a second copy of the state, kept from
 step to step (12 bytes per parameter for Adam), and the host work of results that are dropped.
-``stats`` counts what was committed and redone.
+``stats`` counts, in pieces, the results committed (of them, ``swapped`` without a copy), computed
+again, and dropped.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ import copy
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
 from .flat import FlatGroup
+from .offload import host_copy
 from .state import is_elementwise
 from .tiled_step import PieceKey, copy_scalar, step_views
 
@@ -86,12 +91,13 @@ class OverlappedHostStep:
         self._state, self._settings, self._factor, self._grad_of = state, settings, factor, grad_of
         self._pieces_of = [[[pi for pi, piece in enumerate(g.pieces) if g.layout.param_segments[piece.param] == si]
                             for si in range(len(g.segments))] for g in self.groups]
-        self._shadows: dict[PieceKey, torch.Tensor] = {}
+        self._shadows: dict[PieceKey, torch.Tensor] = {}  # pieces of groups without a flat shadow
+        self._flat: dict[int, torch.Tensor] = {}  # per group with a master copy: the shadow of its master shard
         self._spares: dict[tuple[int, int, str], torch.Tensor] = {}  # state tensors free for the next update
         self._generation: dict[tuple[int, int], int] = {}  # per segment, bumped at each reduction
         self._jobs: list[Future] = []
         self._results: dict[PieceKey, _Result] = {}
-        self.stats = {"committed": 0, "redone": 0, "dropped": 0}  # pieces, since construction
+        self.stats = {"committed": 0, "swapped": 0, "redone": 0, "dropped": 0}  # pieces, since construction
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-step")
         self._finalizer = weakref.finalize(self, self._worker.shutdown, wait=False)
 
@@ -124,14 +130,27 @@ class OverlappedHostStep:
         work = []
         for pi in pieces:
             master = self.masters[gi][pi]
-            shadow = self._shadows.get((gi, pi))
-            if shadow is None:
-                shadow = self._shadows[(gi, pi)] = torch.empty_like(master)
+            shadow = self._shadow_of(gi, pi)
             setting = settings[self.user_group[gi][pi]]
             entry = dict(state.get(master, {}))
             spares = {k: self._spares.pop((gi, pi, k), None) for k, v in entry.items() if is_elementwise(v)}
             work.append((pi, master, shadow, entry, spares, setting))
         self._jobs.append(self._worker.submit(self._update, key, generation, work, factor, event))
+
+    def _shadow_of(self, gi: int, pi: int) -> torch.Tensor:
+        """Where the piece's update is computed: its part of the group's flat shadow (see ``swap``), or
+        a tensor of its own where the master is the parameter shard (stage 3 with offload_params)."""
+        g = self.groups[gi]
+        if g.has_master_copy:
+            assert g.master_shard is not None
+            flat = self._flat.get(gi)
+            if flat is None:  # a copy, so that the padding between pieces is the master's
+                flat = self._flat[gi] = host_copy(g.master_shard, g.master_shard.dtype, g.device)
+            return FlatGroup.shard_slice(flat, g.pieces[pi])
+        shadow = self._shadows.get((gi, pi))
+        if shadow is None:
+            shadow = self._shadows[(gi, pi)] = torch.empty_like(self.masters[gi][pi])
+        return shadow
 
     def _update(self, segment: tuple[int, int], generation: int, work: list, factor: float,
                 event: Optional[torch.cuda.Event]) -> dict[PieceKey, _Result]:
@@ -194,10 +213,41 @@ class OverlappedHostStep:
         self.stats["dropped"] += len(results) - len(valid)
         return valid
 
+    def swap(self, taken: dict[PieceKey, _Result], stepped: Collection[PieceKey],
+             state: dict[torch.Tensor, dict[str, Any]]) -> set[PieceKey]:
+        """Commit the taken pieces of a group with a flat shadow without copying them, where they
+        hold most of its elements: the shadow becomes the master shard (the group's other pieces
+        copied over first, to be stepped there by the step, or kept if it does not step them), and
+        the old master shard the next shadow. The master pieces, the inner optimizer's tensors, are
+        pointed at it in place (``set_``), so they stay the keys of its state. Returns the pieces
+        committed; ``stepped``: those the step updates."""
+        done: set[PieceKey] = set()
+        for gi, flat in list(self._flat.items()):
+            g = self.groups[gi]
+            keys = {(gi, pi) for pi in range(len(g.pieces)) if (gi, pi) in taken and (gi, pi) in stepped}
+            moved = sum(g.pieces[pi].numel for _, pi in keys)
+            if not keys or 2 * moved < sum(piece.numel for piece in g.pieces):  # copying them costs less
+                continue
+            for pi, piece in enumerate(g.pieces):
+                if (gi, pi) not in keys:  # its value as it is now, for the step or to carry over
+                    FlatGroup.shard_slice(flat, piece).copy_(self.masters[gi][pi])
+            self._flat[gi], g.master_shard = g.master_shard, flat
+            for pi, piece in enumerate(g.pieces):
+                self.masters[gi][pi].set_(flat.untyped_storage(), flat.storage_offset() + piece.shard_offset,
+                                          (piece.numel,), (1,))
+            for key in keys:
+                self._install(key, taken[key], state)
+                done.add(key)
+        self.stats["swapped"] += len(done)
+        return done
+
     def commit(self, key: PieceKey, result: _Result, state: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Make a taken result the piece's master and state."""
+        """Make a taken result the piece's master and state (a copy: see ``swap`` for whole groups)."""
+        self.masters[key[0]][key[1]].copy_(result.shadow)
+        self._install(key, result, state)
+
+    def _install(self, key: PieceKey, result: _Result, state: dict[torch.Tensor, dict[str, Any]]) -> None:
         master = self.masters[key[0]][key[1]]
-        master.copy_(result.shadow)
         if result.state:
             old = state.get(master, {})
             state[master] = {**old, **result.state}
@@ -221,7 +271,7 @@ class OverlappedHostStep:
 
     def shadows(self) -> list[torch.Tensor]:
         """The masters' shadows (host memory kept from step to step)."""
-        return list(self._shadows.values())
+        return [*self._shadows.values(), *self._flat.values()]
 
     def extra_state(self) -> list[torch.Tensor]:
         """The second copy of the optimizer state: spare tensors, and state computed aside and not yet
@@ -237,6 +287,7 @@ class OverlappedHostStep:
         self._jobs.clear()
         self._results.clear()
         self._shadows.clear()
+        self._flat.clear()
         self._spares.clear()
 
 
