@@ -1,6 +1,6 @@
 """The host side of optimizer offload: how fast the host steps, and what disk offload costs.
 
-Two measurements, side by side in one run (one process, no process group), printed as ratios:
+Three measurements, side by side in one run (one process, no process group), printed as ratios:
 
 1. The host optimizer step on one rank's shard (``--params-millions``, 100M by default, cut into
    the tensors of a GPT-2-small-shaped model: 8 blocks plus the token and position embeddings,
@@ -13,11 +13,17 @@ Two measurements, side by side in one run (one process, no process group), print
    stack of Linear layers, Adam), stepped in tiles of ``--tile-mb``; and, for reference, the step
    without offload. ``--drop-cache`` asks the kernel to drop the files' pages after every step
    (fsync, then POSIX_FADV_DONTNEED), so the reads come from the disk and not the page cache.
+3. A whole training step (forward, backward, ``step()``) of a stack of Linear + Tanh layers
+   (``--overlap-params-millions``, batch ``--overlap-batch``) at stage 2 with the optimizer
+   offloaded, with and without ``offload_overlap``, on CUDA where there is a GPU: the step, the part
+   of it in ``step()`` (what is left after backward), and whether both end on the same weights.
+   ``--threads 1`` leaves the second core of a 2-core machine to the overlap's worker.
 
     python benchmarks/bench_offload.py                              # both, default sizes
     python benchmarks/bench_offload.py --params-millions 10 --steps 2 --disk-params-millions 4  # quick
     python benchmarks/bench_offload.py --json out.json --offload-dir /nvme/tmp --drop-cache
     python benchmarks/bench_offload.py --skip host --cuda-memory 2000   # on a GPU: device bytes per parameter
+    python benchmarks/bench_offload.py --skip host disk --threads 1 --overlap-batch 256  # offload_overlap only
 
 Each variant is warmed up by one step (which also creates the optimizer state) and then timed
 ``--steps`` times, the variants taking turns in a rotating order so that load from other jobs falls

@@ -80,7 +80,7 @@ step bench_gpt2 190 "$py" benchmarks/bench_gpt2_lightning.py --steps 20 \
 step bench_kernels 60 "$py" benchmarks/bench_kernels.py --out "$out/bench_kernels.json"
 step bench_fused_step 90 "$py" benchmarks/bench_fused_step.py --out "$out/bench_fused_step.json"
 step bench_activations 30 "$py" benchmarks/bench_activations.py --n-embd 256 --seq 256 --batch 16 --repeats 3 --device cuda
-step bench_offload 45 "$py" benchmarks/bench_offload.py --params-millions 50 --disk-params-millions 10 --steps 3 \
+step bench_offload 60 "$py" benchmarks/bench_offload.py --params-millions 50 --disk-params-millions 10 --steps 3 \
     --cuda-memory 100
 step bench_stages 90 "$py" benchmarks/bench_stages.py --device cuda --params-millions 20 --steps 3
 

@@ -80,7 +80,7 @@ ZERO_CASES = {  # what each strategy's tests read
     "zero3-linear": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "meta"),
     "zero_stage_3": ("manual",),
     "zero_stage_3_offload": ("plain",),  # test_offload.py's
-    "zero2-offload-overlap": ("plain", "clip", "accumulate"),  # test_offload_overlap.py's
+    "zero2-offload-overlap": ("plain", "clip", "accumulate", "resume"),  # test_offload_overlap.py's
 }
 
 
