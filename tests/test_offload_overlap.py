@@ -295,3 +295,25 @@ def test_accumulation_holds_one_update_per_piece():
     assert plain["optimizer_states"] < many["optimizer_states"] <= 2 * plain["optimizer_states"], (many, plain)
     # a shadow per master piece (the master shard also holds the alignment padding between pieces)
     assert plain["master_params"] < many["master_params"] <= 2 * plain["master_params"], (many, plain)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_weights_edited_between_backward_and_step_are_what_the_step_updates(stage):
+    """gathered_parameters(modifier_rank=0) writes the masters: updates computed from their old
+    values are dropped (and at stage 2 the masters follow the edit at all)."""
+
+    def loop(model, user_opt, opt):
+        for step in range(3):
+            opt.zero_grad()
+            _backward(model, opt, step)
+            if opt.reducer.host_listener is not None:
+                opt.reducer.host_listener.wait()  # the updates from the old values are made
+            with gathered_parameters(model, modifier_rank=0), torch.no_grad():
+                model.fc1.weight.mul_(0.5)
+                edited = model.fc1.weight.clone()
+            opt.step()
+            with gathered_parameters(model):  # one Adam step from the edited values (lr 0.01), not the old ones
+                assert (model.fc1.weight - edited).abs().max() < 0.02
+
+    stats = _one_process(loop, stage)[0]
+    assert stats["committed"] == 0 and stats["dropped"] > 0, stats

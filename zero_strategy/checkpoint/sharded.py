@@ -330,6 +330,7 @@ def load_masters(reader: CheckpointReader, saved: dict[str, Any], module: nn.Mod
     for g in groups:
         if g.master_shard is None:
             continue
+        g.prepare_master_write()
         for piece in g.pieces:
             key = names.get(g.params[piece.param])
             if key in model_keys:
@@ -348,6 +349,7 @@ def masters_from_state_dict(state_dict: dict[str, Any], module: nn.Module,
         for g in zopt.groups:
             if g.master_shard is None:
                 continue
+            g.prepare_master_write()
             for piece in g.pieces:
                 value = state_dict.get(names.get(g.params[piece.param], ""))
                 if isinstance(value, torch.Tensor) and value.dtype.itemsize > g.dtype.itemsize:

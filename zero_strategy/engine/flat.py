@@ -52,7 +52,7 @@ done with the unit.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -97,6 +97,7 @@ class FlatGroup:
         self.offload_master = offload_master
         self.master_shard: Optional[torch.Tensor] = None  # see [Note: master copies]
         self.reduce_quantization: Optional[QuantSpec] = None  # how its gradients travel (quantized_gradients)
+        self.before_master_write: Optional[Callable[[], None]] = None  # see prepare_master_write
         self._master_dtype = (master_dtype or self.dtype) if offload_master else master_dtype
 
     def _make_master(self, own: torch.Tensor, shard: Optional[torch.Tensor]) -> None:
@@ -192,8 +193,15 @@ class FlatGroup:
             self.weights(piece)[start:end].copy_(self.shard_slice(self.master_shard, piece, start, end),
                                                  non_blocking=True)
 
+    def prepare_master_write(self) -> None:
+        """Before the masters are written outside the optimizer's step: updates computed from their
+        present values are dropped (see [Note: the overlapped host step] in overlap.py)."""
+        if self.before_master_write is not None:
+            self.before_master_write()
+
     def masters_from_weights(self) -> None:
         """The masters from the working weights (after these were loaded or edited whole)."""
+        self.prepare_master_write()
         if self.has_master_copy:
             assert self.master_shard is not None
             for piece in self.pieces:
@@ -363,6 +371,7 @@ class ShardedGroup(FlatGroup):
             raise RuntimeError("these parameters were gathered quantized for a training step (quantized_weights): "
                                "keeping their values would round the exact shards. Edit or load them outside the "
                                "training step's forward and backward, where gathered_parameters gathers exactly.")
+        self.prepare_master_write()
         for seg in self.segments:
             own = self.own_shard_of(self.buffer, seg)
             self.segment_shard(self.shard, seg).copy_(own)

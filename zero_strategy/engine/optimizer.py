@@ -171,7 +171,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._pieces = []  # the inner optimizer's tensor for each piece of each group
         self._user_group: list[list[int]] = []  # the param group of each piece
         for g in self.groups:
-            self._pieces.append([g.stepped(piece) for piece in g.pieces])
+            stepped = [g.stepped(piece) for piece in g.pieces]
+            if config.offload_overlap:  # not views: the overlap moves them to another buffer (overlap.py's swap)
+                stepped = [torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    t.untyped_storage(), t.storage_offset(), t.shape, t.stride()) for t in stepped]
+            self._pieces.append(stepped)
             self._user_group.append([user_group_of[g.params[piece.param]] for piece in g.pieces])
             for t, gi in zip(self._pieces[-1], self._user_group[-1]):
                 inner_groups[gi]["params"].append(t)

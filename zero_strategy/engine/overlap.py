@@ -21,13 +21,16 @@ and committed only where it is the update the step would have made.
   its master is a copy of its own (offload's host master): the group's shadow is a second master
   shard, and the two trade places (``swap``). Elsewhere (a group partly taken, or the parameter
   shard itself at stage 3 with ``offload_params``) it is a copy of the shadow into the master.
+  (The master pieces are therefore built as tensors of their own, not views of the master shard:
+  ``set_`` moves them, and a view's ``_base`` would still name the old buffer.)
   The new state takes the place of the old (so ``inner.state[piece]`` holds other tensors after each step: a state
   dict kept from an earlier step sees them overwritten, as torch's in-place update would); every other piece steps at ``step()`` as without the overlap. Either
   way the values are those of the non-overlapped step, bit for bit (``tests/test_offload_overlap.py``).
 - *Redo*: a segment reduced again (gradient accumulation, a late gradient: [Note: late
   gradients]) is updated again from its new gradient, superseding the earlier result (whose
   tensors are reused, so accumulation holds one result per piece). An overflow of the loss
-  scaler, ``zero_grad`` or a loaded state dict drops every result. A backward that adds to
+  scaler, ``zero_grad``, a loaded state dict, or a write of the masters outside the step (an edit
+  in ``gathered_parameters``, loaded weights: ``FlatGroup.prepare_master_write``) drops every result. A backward that adds to
   gradients the step has prepared already (``clip_grad_norm_`` between micro-batches, or no
   ``zero_grad`` between steps) is not updated early.
 
@@ -100,6 +103,8 @@ class OverlappedHostStep:
         self.stats = {"committed": 0, "swapped": 0, "redone": 0, "dropped": 0}  # pieces, since construction
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-step")
         self._finalizer = weakref.finalize(self, self._worker.shutdown, wait=False)
+        for g in self.groups:  # an edit of the weights or a loaded checkpoint writes the masters
+            g.before_master_write = self.discard
 
     # ---- during backward (main thread) -----------------------------------------------------
 
@@ -284,6 +289,9 @@ class OverlappedHostStep:
         """Stop the worker and free the shadows (also when the optimizer is collected: the gradient
         hooks may keep this object alive longer)."""
         self._finalizer()
+        for g in self.groups:
+            if g.before_master_write == self.discard:
+                g.before_master_write = None
         self._jobs.clear()
         self._results.clear()
         self._shadows.clear()

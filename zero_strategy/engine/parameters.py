@@ -211,10 +211,9 @@ class ParameterSharder:
                                                                    always_call=True))  # pops the saved-tensor hooks
             self._handles.append(self.module.register_forward_pre_hook(_eager(self._pre_forward_root)))
             self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root), always_call=True))
-            for unit in self.all_units:
-                for g in unit.groups:
-                    for p in g.params:
-                        p._zero_sharder = self  # for gathered_parameters()
+        for g in self.groups:
+            for p in g.params:
+                p._zero_sharder = self  # for gathered_parameters(), at every stage (the masters follow edits)
         comm.begin_step()  # the first step's bytes start here: set-up broadcasts are not a step's
 
     def comm_stats(self) -> dict[str, int]:
