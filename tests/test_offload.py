@@ -135,6 +135,9 @@ def test_tiles_cover_every_element_once():
 
 def test_host_step_is_fused_unless_the_user_chose():
     assert host_optimizer_kwargs(torch.optim.AdamW, {"foreach": None, "fused": None})["fused"] is True
+    assert host_optimizer_kwargs(torch.optim.SGD, {"foreach": None, "fused": None}, [torch.float32])["fused"] is True
+    bf16 = host_optimizer_kwargs(torch.optim.SGD, {"foreach": None, "fused": None}, [torch.bfloat16])
+    assert bf16["foreach"] is True and not bf16["fused"]  # torch's fused CPU SGD does not repeat there
     assert host_optimizer_kwargs(torch.optim.AdamW, {"foreach": False, "fused": None}) == {"foreach": False,
                                                                                           "fused": None}
     assert host_optimizer_kwargs(torch.optim.RMSprop, {"foreach": None})["foreach"] is True
@@ -244,3 +247,26 @@ def test_half_weights_with_a_host_master_match_and_skip_overflow(dtype):
         assert opt.scaler.scale < 2.0**8  # the overflow halved it
     for a, b in zip(plain, host):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-2)  # one half-precision rounding apart at most
+
+
+
+def test_offloaded_sgd_on_bf16_masters_repeats():
+    """master_weights=False with offload: SGD with momentum steps bf16 host tensors. Stepped all at
+    once (one tile) or segment by segment (offload_overlap), the results agree bit for bit."""
+    runs = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = OddMLP().to(torch.bfloat16)
+        opt = ZeroOptimizer(torch.optim.SGD(param_groups(model), lr=0.05, momentum=0.9),
+                            ZeroConfig(stage=2, bucket_cap_mb=TINY_BUCKET_MB, offload_optimizer=True,
+                                       master_weights=False, offload_overlap=overlap))
+        for step in range(4):
+            x, y = batch(step, 0)
+            opt.zero_grad()
+            F.mse_loss(model(x.to(torch.bfloat16), step, 0).float(), y).backward()
+            opt.step()
+        state = opt.state_dict()["state"]
+        runs.append([p.detach().clone() for p in model.parameters()] +
+                    [state[i]["momentum_buffer"] for i in sorted(state)])
+        opt.close()
+    assert len(runs[0]) == len(runs[1]) > 10 and all(torch.equal(a, b) for a, b in zip(*runs))

@@ -70,11 +70,13 @@ def wait_for_copies(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def host_optimizer_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` for ``cls`` stepping host tensors: fused (or foreach) unless the user chose.
+def host_optimizer_kwargs(cls: type, kwargs: dict[str, Any], dtypes: Sequence[torch.dtype] = ()) -> dict[str, Any]:
+    """``kwargs`` for ``cls`` stepping host tensors of ``dtypes``: fused (or foreach) unless the user chose.
 
     An explicit ``fused`` or ``foreach`` in the user's optimizer is kept; ``capturable`` (a CUDA
-    graph option) is dropped, since the host step is never captured.
+    graph option) is dropped, since the host step is never captured. SGD over bf16/fp16 host tensors
+    (``master_weights=False``) gets foreach: torch 2.13's fused CPU SGD with momentum gives different
+    results from run to run there (a momentum buffer given, several tensors, one thread too).
     """
     params = inspect.signature(cls.__init__).parameters
     out = dict(kwargs)
@@ -82,7 +84,8 @@ def host_optimizer_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
         out["capturable"] = False
     if out.get("fused") or out.get("foreach") is not None:
         return out
-    if "fused" in params and issubclass(cls, FUSED_ON_CPU):
+    unrepeatable = issubclass(cls, torch.optim.SGD) and any(d.itemsize < 4 for d in dtypes)
+    if "fused" in params and issubclass(cls, FUSED_ON_CPU) and not unrepeatable:
         out["fused"] = True
     elif "foreach" in params:
         out["foreach"] = True

@@ -164,6 +164,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._device = self.groups[0].device if self.groups else torch.device("cpu")  # where collectives run
         self.offloaded = config.offload_optimizer
         host_dtypes = [g.master_shard.dtype for g in self.groups if g.master_shard is not None] if self.offloaded else None
+        self._host_dtypes = host_dtypes or []
         self.reducer = make_reducer(self.groups, config.stage, self.comm, sharder.position,
                                     listener=sharder if config.stage == 3 else None, host_dtypes=host_dtypes)
         user_group_of = {p: gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -181,7 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 inner_groups[gi]["params"].append(t)
         kwargs = _constructor_kwargs(type(optimizer), optimizer.defaults)
         if self.offloaded:  # see [Note: offloaded step]
-            kwargs = host_optimizer_kwargs(type(optimizer), kwargs)
+            kwargs = host_optimizer_kwargs(type(optimizer), kwargs, self._host_dtypes)
             inner_groups = [self._for_host(g) for g in inner_groups]
         self.inner = type(optimizer)(inner_groups, **kwargs)
         super().__init__([{"params": g["params"]} for g in optimizer.param_groups], optimizer.defaults)
@@ -201,7 +202,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _for_host(self, group: dict[str, Any]) -> dict[str, Any]:
         """A param group's settings with the host step's kernel choice (fused or foreach)."""
         own = {k: group[k] for k in ("fused", "foreach", "capturable") if k in group}
-        return {**group, **host_optimizer_kwargs(type(self.optim), own)}
+        return {**group, **host_optimizer_kwargs(type(self.optim), own, self._host_dtypes)}
 
     def _plan_offload(self, config: ZeroConfig, cls: type, kwargs: dict[str, Any]):
         """Tiles of the host step and, with ``offload_dir``, the files of the optimizer state."""
