@@ -238,7 +238,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _coming_settings(self) -> list[dict[str, Any]]:
         """Each param group's hyperparameters as the next step will set them in the inner optimizer."""
         kept = self._kept_settings()
-        return [{**{k: v for k, v in inner.items() if k != "params"}, **{k: v for k, v in user.items() if k not in kept}}
+        return [{**{k: v for k, v in inner.items() if k != "params"},
+                 **{k: v for k, v in user.items() if k not in kept}}
                 for user, inner in zip(self.param_groups, self.inner.param_groups)]
 
     def _kept_settings(self) -> tuple[str, ...]:
@@ -569,9 +570,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._disk.disk.nbytes() if self._disk is not None else 0
 
     def offload_overlap_stats(self) -> dict[str, int]:
-        """With ``offload_overlap``: how many piece updates made during backward the steps committed (of
-        them, how many without a copy: ``swapped``), computed again (a segment reduced again) and dropped (see [Note: the overlapped host step] in
-        overlap.py); empty without it."""
+        """With ``offload_overlap``, in pieces since construction: the updates made during backward that
+        the steps committed (``swapped``: of them, those committed without a copy), computed again (a
+        segment reduced again) and dropped (see [Note: the overlapped host step] in overlap.py); empty
+        without it."""
         return dict(self._overlap.stats) if self._overlap is not None else {}
 
     def close(self) -> None:

@@ -8,31 +8,31 @@ in gradients.py), and the step itself only commits the results. The update is sp
 decisions that may change it come later, so it is computed aside, where nothing else reads it,
 and committed only where it is the update the step would have made.
 
-- *Aside*: the worker steps a shadow of each master piece (a copy of it, kept from step to step)
-  and a copy of its state (into the tensors the state had before the last commit, once there are
-  such), with a scratch optimizer of the user's class (``step_views``). The
-  masters, the optimizer state and the device weights stay as they are until the commit, so a
-  forward, a gather (the host shard is the parameters at stage 3 with ``offload_params``), a
-  checkpoint or a discarded step see the values before the step.
+- *Aside*: the worker steps a shadow of each master piece and a copy of its state (into the
+  tensors the state had before the last commit, once there are such), with a scratch optimizer of
+  the user's class (``step_views``). The masters, the optimizer state and the device weights stay
+  as they are until the commit, so a forward, a gather (the host shard is the parameters at stage 3
+  with ``offload_params``), a checkpoint or a discarded step see the values before the step.
 - *Commit*: at ``step()``, a piece's result is taken when its gradient is the one it was computed
   from, its param group's hyperparameters are the ones the step uses, the loss scale is the same,
   and nothing scaled or clipped the gradients since (a clip coefficient of exactly 1 changes
-  nothing, so it does not count). Taking it costs no copy where a whole flat group is taken and
-  its master is a copy of its own (offload's host master): the group's shadow is a second master
-  shard, and the two trade places (``swap``). Elsewhere (a group partly taken, or the parameter
-  shard itself at stage 3 with ``offload_params``) it is a copy of the shadow into the master.
-  (The master pieces are therefore built as tensors of their own, not views of the master shard:
-  ``set_`` moves them, and a view's ``_base`` would still name the old buffer.)
-  The new state takes the place of the old (so ``inner.state[piece]`` holds other tensors after each step: a state
-  dict kept from an earlier step sees them overwritten, as torch's in-place update would); every other piece steps at ``step()`` as without the overlap. Either
-  way the values are those of the non-overlapped step, bit for bit (``tests/test_offload_overlap.py``).
+  nothing, so it does not count). Where the taken pieces hold most of a group whose master is a
+  copy of its own (offload's host master), taking them costs no copy: the group's shadow is a
+  second master shard, and the two trade places (``swap``); the master pieces are therefore built
+  as tensors of their own, not views (``set_`` moves them; a view's ``_base`` would still name the
+  old buffer). Elsewhere (the parameter shard itself at stage 3 with ``offload_params``, or a group
+  mostly not taken) it is a copy of the shadow into the master. The new state takes the place of
+  the old, so ``inner.state[piece]`` holds other tensors after each step (a state dict kept from
+  an earlier step sees them overwritten, as torch's in-place update would). Every other piece
+  steps at ``step()`` as without the overlap. Either way the values are those of the
+  non-overlapped step, bit for bit (``tests/test_offload_overlap.py``).
 - *Redo*: a segment reduced again (gradient accumulation, a late gradient: [Note: late
   gradients]) is updated again from its new gradient, superseding the earlier result (whose
   tensors are reused, so accumulation holds one result per piece). An overflow of the loss
   scaler, ``zero_grad``, a loaded state dict, or a write of the masters outside the step (an edit
-  in ``gathered_parameters``, loaded weights: ``FlatGroup.prepare_master_write``) drops every result. A backward that adds to
-  gradients the step has prepared already (``clip_grad_norm_`` between micro-batches, or no
-  ``zero_grad`` between steps) is not updated early.
+  in ``gathered_parameters``, loaded weights: ``FlatGroup.prepare_master_write``) drops every
+  result. A backward that adds to gradients the step has prepared already (``clip_grad_norm_``
+  between micro-batches, or no ``zero_grad`` between steps) is not updated early.
 
 Only pieces whose parameter got a gradient on this rank are updated early (those are stepped
 whatever the other ranks did); the others wait for the step, which knows whether some rank had
