@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,7 @@ from zero_strategy.engine import shard_module
 from zero_strategy.engine.gradients import MAX_INFLIGHT
 
 from .distributed import run_distributed
+from .models import OddMLP, batch
 
 GB = 1e9
 
@@ -187,3 +191,23 @@ def test_on_cpu_the_engine_makes_freed_blocks_leave_the_process(monkeypatch):
                                               fresh=True)
     assert held - before >= 5 * MiB, (before, held, after)  # it took fresh pages: not memory the heap had
     assert after - before <= MiB, (before, held, after)  # and gave them back
+
+
+@pytest.mark.parametrize("stage, overlap", [(1, False), (2, False), (2, True), (3, False), (3, True)])
+def test_a_dropped_model_and_engine_are_freed(stage, overlap):
+    """Nothing keeps a model and its engine alive once the user drops them (see [Note: hooks that
+    hold the reducer weakly] in engine/gradients.py): a notebook or a sweep builds many."""
+    torch.manual_seed(0)
+    model = OddMLP()
+    options = dict(offload_optimizer=True, offload_overlap=True) if overlap else {}
+    config = ZeroConfig(stage=stage, **options)
+    sharder = shard_module(model, config) if stage == 3 else None
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), config, sharder=sharder)
+    x, y = batch(0, 0)
+    F.mse_loss(model(x, 0, 0), y).backward()
+    opt.step()
+    refs = {name: weakref.ref(o) for name, o in (("model", model), ("optimizer", opt), ("reducer", opt.reducer),
+                                                 ("weight", model.fc1.weight))}
+    del model, opt, sharder
+    gc.collect()
+    assert {name: ref() is None for name, ref in refs.items()} == dict.fromkeys(refs, True)

@@ -28,6 +28,7 @@ reduced, while the next one is in flight.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import deque
 from typing import Mapping, Optional, Sequence
 
@@ -59,6 +60,20 @@ def launch_order(groups: Sequence[FlatGroup], position: Mapping[torch.nn.Paramet
     return [(gi, si) for _, gi, si in sorted(keys)]
 
 
+def _on_grad_of(reducer: "weakref.ref[GradientReducer]", gi: int, i: int, param: torch.nn.Parameter) -> None:
+    """A parameter's post-accumulate-grad hook: its reducer takes the gradient, while it exists.
+
+    [Note: hooks that hold the reducer weakly]
+    torch's garbage collector does not traverse a tensor's post-accumulate-grad hooks (torch 2.13),
+    so a hook holding its reducer, which holds the parameters, makes a cycle that is never freed:
+    every model and engine built in a process (a notebook, a sweep) would stay in memory. The hook
+    holds the reducer weakly; the optimizer holds it strongly. Once the optimizer is gone, the
+    parameters' gradients accumulate in ``.grad`` as without this package."""
+    target = reducer()
+    if target is not None:
+        target._on_grad(gi, i, param)
+
+
 class GradientReducer:
     """Takes gradients from autograd into flat storage and averages them across ranks; the common
     part of the two reducers (``make_reducer`` picks one): the groups' fixed launch order (see
@@ -80,8 +95,9 @@ class GradientReducer:
             self._rounding = torch.Generator(self.groups[0].device)
             self._rounding.manual_seed(ROUNDING_SEED + self.comm.rank)
         self.received = [[False] * len(g.params) for g in self.groups]
+        me = weakref.ref(self)  # see [Note: hooks that hold the reducer weakly]
         self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, gi, i))
+            p.register_post_accumulate_grad_hook(functools.partial(_on_grad_of, me, gi, i))
             for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)
         ]
 
