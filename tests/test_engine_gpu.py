@@ -108,3 +108,39 @@ def test_sharded_checkpoint_of_cuda_tensors_round_trips(tmp_path):
     for index, entry in want["state"].items():
         for key, value in entry.items():
             assert torch.equal(got["state"][index][key].cpu(), value.cpu()), (index, key)
+
+
+def _offload_run(stage: int, dtype: torch.dtype, overlap: bool, clip: float) -> tuple:
+    """Optimizer offload on CUDA (pinned host shards, events after the gradients' copies), with or
+    without offload_overlap: the weights and the overlap's counts after a few steps."""
+    torch.manual_seed(0)
+    model = OddMLP().cuda().to(dtype)
+    config = ZeroConfig(stage=stage, shard_modules=("Linear",), param_persistence_threshold=8, bucket_cap_mb=1e-3,
+                        offload_optimizer=True, offload_params=stage == 3, offload_overlap=overlap)
+    user_opt = torch.optim.AdamW(param_groups(model), lr=0.01)
+    sharder = shard_module(model, config) if stage == 3 else None
+    scaler = LossScaler(scale=2.0**8) if dtype == torch.float16 else None
+    opt = ZeroOptimizer(user_opt, config, sharder=sharder, scaler=scaler)
+    for step in range(5):
+        x, y = (t.cuda().to(dtype) for t in batch(step, 0))
+        opt.zero_grad()
+        loss = F.mse_loss(model(x, step, 0).float(), y.float())
+        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
+        opt.clip_grad_norm_(clip)
+        opt.step()
+    with gathered_parameters(model):
+        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    stats = opt.offload_overlap_stats()
+    opt.close()
+    return params, stats
+
+
+@pytest.mark.parametrize("stage, dtype", [(2, torch.float32), (2, torch.bfloat16), (3, torch.float32),
+                                          (3, torch.float16)])
+@pytest.mark.parametrize("clip", [1e3, 0.05])  # never cuts, cuts at every step
+def test_offload_overlap_on_cuda_is_the_step_without_it(stage, dtype, clip):
+    want, _ = _offload_run(stage, dtype, False, clip)
+    got, stats = _offload_run(stage, dtype, True, clip)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    assert (stats["committed"] > 0) == (clip > 1), stats
