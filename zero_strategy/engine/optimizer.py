@@ -236,15 +236,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return overlap
 
     def _coming_settings(self) -> list[dict[str, Any]]:
-        """Each param group's hyperparameters as the next step will set them in the inner optimizer."""
-        kept = self._kept_settings()
+        """Each param group's hyperparameters as the next step sets them in the inner optimizer: the
+        user's (an LR scheduler's changes), except the host step's kernel choice with offload."""
+        kept = ("params", "fused", "foreach", "capturable") if self.offloaded else ("params",)
         return [{**{k: v for k, v in inner.items() if k != "params"},
                  **{k: v for k, v in user.items() if k not in kept}}
                 for user, inner in zip(self.param_groups, self.inner.param_groups)]
-
-    def _kept_settings(self) -> tuple[str, ...]:
-        """What the step keeps of the inner optimizer's param groups rather than take from the user's."""
-        return ("params", "fused", "foreach", "capturable") if self.offloaded else ("params",)
 
     def _grad_factor(self) -> float:
         """What the reduced gradients are multiplied by before the step (1 / loss scale)."""
@@ -343,9 +340,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for tensors in self._pieces:
             for t in tensors:
                 t.grad = None
-        kept = self._kept_settings()
-        for user_group, inner_group in zip(self.param_groups, self.inner.param_groups):
-            inner_group.update({k: v for k, v in user_group.items() if k not in kept})
+        for inner_group, settings in zip(self.inner.param_groups, self._coming_settings()):
+            inner_group.update(settings)
         if self.offloaded:
             self._step_on_host()
         elif not self._fused_step():

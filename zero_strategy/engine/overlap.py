@@ -212,10 +212,7 @@ class OverlappedHostStep:
         self._generation.clear()
         valid = {} if altered else {key: r for key, r in results.items()
                                     if r.factor == factor and same_settings(r.settings, settings(*key)[1])}
-        for key, result in results.items():
-            if key not in valid:
-                self._keep_spares(key, result.state)
-        self.stats["dropped"] += len(results) - len(valid)
+        self._drop({key: r for key, r in results.items() if key not in valid})
         return valid
 
     def swap(self, taken: dict[PieceKey, _Result], stepped: Collection[PieceKey],
@@ -262,11 +259,15 @@ class OverlappedHostStep:
     def discard(self) -> None:
         """Drop every result (the step is skipped, or the gradients or the state are replaced)."""
         self.wait()
-        self.stats["dropped"] += len(self._results)
-        for key, result in self._results.items():
-            self._keep_spares(key, result.state)
-        self._results.clear()
+        results, self._results = self._results, {}
+        self._drop(results)
         self._generation.clear()
+
+    def _drop(self, results: dict[PieceKey, _Result]) -> None:
+        """Results not committed: their state tensors become spares."""
+        for key, result in results.items():
+            self._keep_spares(key, result.state)
+        self.stats["dropped"] += len(results)
 
     def _keep_spares(self, key: PieceKey, entry: dict[str, Any]) -> None:
         """State tensors nothing uses any more: the next update of the piece writes into them."""
