@@ -269,7 +269,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Stage 3 with ``empty_init=True``: on the meta device, materialised unit by unit in setup, so the
-        model never exists whole on a rank (see [Note: init-time sharding])."""
+        model never exists whole on a rank (see [Note: init-time sharding] in engine/materialize.py)."""
         if self.config.stage == 3 and empty_init:
             stack = ExitStack()
             stack.enter_context(torch.device("meta"))

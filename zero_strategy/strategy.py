@@ -260,7 +260,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: modules built in ``configure_model`` go on the meta device, so the model never
-        exists whole on one rank (see [Note: init-time sharding])."""
+        exists whole on one rank (see [Note: init-time sharding] in engine/materialize.py)."""
         if self.config.stage != 3:
             yield
             return

@@ -46,12 +46,7 @@ ParameterSharder builds every flat group of a model, at every stage (all residen
 param groups, and checkpoints, memory accounting and gathered_parameters read the same groups. A
 plain loop's ZeroOptimizer without a sharder builds one over its own parameters (stages 1-2).
 
-[Note: init-time sharding]
-A model built on the meta device (ZeroStrategy's ``model_sharded_context``, around Lightning's
-``configure_model``) never exists whole: units are materialised one at a time, in unit order, by
-the modules' own ``reset_parameters()``, broadcast from rank 0, sharded, and released before the
-next unit is built. Every rank draws the same random numbers in the same order whatever the world
-size, so the same seed gives the same model on 1 or 2 ranks.
+See [Note: init-time sharding] in materialize.py for a model built on the meta device.
 """
 
 from __future__ import annotations
@@ -68,6 +63,7 @@ from ..config import ZeroConfig
 from .collectives import Collectives
 from .flat import FlatGroup, ResidentGroup, ShardedGroup
 from .malloc import set_mmap_threshold
+from .materialize import materialize_meta
 from .order_guard import BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE, OrderGuard
 from .pool import BufferPool
 from .saved_weights import SavedWeights
@@ -105,25 +101,6 @@ def shard_module(module: nn.Module, config: ZeroConfig, comm: Optional[Collectiv
     """
     return ParameterSharder(module, config, comm or Collectives(collective_timeout=config.collective_timeout),
                             device, optimizers)
-
-
-def _materialize(params: Sequence[nn.Parameter], owners: Sequence[nn.Module], device: torch.device) -> None:
-    """Give meta parameters storage on ``device`` and their modules' own initialisation."""
-    for m in owners:
-        if not hasattr(m, "reset_parameters"):
-            raise ValueError(
-                f"{type(m).__name__} was built on the meta device (in configure_model at stage 3, or under "
-                "fabric.init_module(empty_init=True)) but has no reset_parameters() to initialise it; add one, or "
-                "build this module with real tensors (in __init__, or outside init_module).")
-        # not Module.to_empty: it replaces meta Parameters by new objects, and the sharder, the
-        # optimizer and tied modules all hold these ones; swap_tensors keeps each object
-        for p in m.parameters(recurse=False):
-            if p.is_meta:
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
-        for name, b in m.named_buffers(recurse=False):
-            if b.is_meta:
-                m._buffers[name] = torch.empty_like(b, device=device)
-        m.reset_parameters()
 
 
 class ParameterSharder:
@@ -252,10 +229,7 @@ class ParameterSharder:
 
     def _flatten(self, params: list[nn.Parameter], resident: bool) -> list[FlatGroup]:
         """Flat groups of ``params``, materialised first if they are meta (one unit at a time)."""
-        on_meta = [p for p in params if p.is_meta]
-        if on_meta:
-            owners = list(dict.fromkeys(m for p in on_meta for m in self._owners[p]))
-            _materialize(on_meta, owners, self._device or torch.device("cpu"))
+        materialize_meta(params, self._owners, self._device or torch.device("cpu"))
         n, r, config = self.comm.world_size, self.comm.rank, self.config
         groups: list[FlatGroup] = []
         for ps in split_groups(params, self._optimizer_of):

@@ -8,7 +8,7 @@ ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
    working weights, one buffer per dtype, and the fp32 masters are copied from them; converting
    after sharding would detach the parameters from their buffers.
 2. device: the flat buffers are allocated where the parameters are. Meta tensors stay on meta:
-   stage 3 materialises them unit by unit on the device (see [Note: init-time sharding]).
+   stage 3 materialises them unit by unit on the device (see [Note: init-time sharding] in engine/materialize.py).
 3. activation checkpointing: it replaces module instances' ``forward`` (see [Note: checkpointing
    by instance forward]); the sharder's hooks, registered next, then run around the checkpointed
    call, and the units it plans see the modules as they will run.
@@ -45,6 +45,7 @@ from ..checkpoint.sharded import flat_groups
 from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from ..engine.flat import FlatGroup
+from ..engine.materialize import materialize_buffers
 from .precision import WorkingPrecision
 
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
@@ -94,7 +95,7 @@ def engine_config(config: ZeroConfig, precision: WorkingPrecision) -> ZeroConfig
 
 def move_module(module: nn.Module, device: torch.device) -> None:
     """Parameters and buffers to ``device``, in place (the Parameter objects stay); meta tensors stay on
-    meta: stage 3 materialises them unit by unit (see [Note: init-time sharding])."""
+    meta: stage 3 materialises them unit by unit (see [Note: init-time sharding] in engine/materialize.py)."""
     module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
@@ -112,23 +113,6 @@ def sync_module(module: nn.Module, comm: Collectives, stage: int) -> None:
         for tensor in tensors:
             if not tensor.is_meta:
                 comm.broadcast(tensor.data, src=0, what=lambda: "broadcast of the module's initial weights")
-
-
-def materialize_buffers(module: nn.Module, device: torch.device) -> None:
-    """Stage 3, a model built on meta: modules that hold buffers but no parameters (a rotary cache, a
-    mask) get their buffers on ``device`` from their own ``reset_parameters()``; the sharder
-    materialises the modules with parameters, unit by unit (see [Note: init-time sharding])."""
-    for path, m in module.named_modules():
-        meta = [name for name, b in m.named_buffers(recurse=False) if b.is_meta]
-        if not meta or any(True for _ in m.parameters(recurse=False)):
-            continue
-        if not callable(getattr(m, "reset_parameters", None)):
-            raise ValueError(f"{path or 'the model'} ({type(m).__name__}) holds buffers on the meta device ({meta}) "
-                             "and no parameters, and has no reset_parameters() to fill them; give it one, or build "
-                             "that module with real tensors (outside the meta-device context).")
-        for name in meta:
-            m._buffers[name] = torch.empty_like(m._buffers[name], device=device)
-        m.reset_parameters()
 
 
 def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecision, comm: Collectives,
