@@ -139,6 +139,12 @@ class ZeroConfig:
     bytes per rank between forward and backward (a quarter of that with quantized_weights). Must
     divide the ranks per node; None: off."""
 
+    async_save: bool = False
+    """Save sharded checkpoints in the background: the save returns once each rank has copied its
+    pieces into host buffers (kept between saves: one rank's share of the checkpoint, pinned on CUDA),
+    and a writer thread writes and commits the files while training goes on (see [Note: saving in the
+    background] in checkpoint/background.py). A second save, and the end of training, wait for it."""
+
     def __post_init__(self) -> None:
         if type(self.stage) is not int or self.stage not in SUPPORTED_STAGES:
             raise ValueError(
@@ -221,6 +227,9 @@ class ZeroConfig:
             if not self.offload_optimizer:
                 raise ValueError(f"offload_dir={self.offload_dir!r} keeps optimizer state on disk, which needs "
                                  "offload_optimizer=True; set it, or drop offload_dir.")
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save={self.async_save!r} must be True (write checkpoints in the background) or "
+                             "False (the default: save_checkpoint returns once the files are written).")
         if not isinstance(self.offload_overlap, bool):
             raise ValueError(f"offload_overlap={self.offload_overlap!r} must be True or False.")
         if self.offload_overlap:

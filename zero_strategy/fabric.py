@@ -177,6 +177,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         quantized_gradients: Union[bool, str, None] = None,
         quantization_block_size: int = 256,
         secondary_partition_size: Optional[int] = None,
+        async_save: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -424,6 +425,8 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         for engine in self._engines:
             engine.remove_hooks()
         super().teardown()
+        for engine in self._engines:
+            engine.finish_saves()  # the end waits for a save in the background, and raises what it failed with
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

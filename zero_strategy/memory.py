@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from .checkpoint.background import checkpoint_buffer_bytes
 from .engine import ZeroOptimizer
 
 KEYS = ("params", "grads", "optimizer_states", "master_params")
@@ -65,7 +66,8 @@ def _bytes_per_parameter(precision: str) -> tuple[int, int, int, int]:
 
 def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precision: str | int = "32-true",
                     offload_optimizer: bool = False, offload_params: bool = False,
-                    optimizer_state_bytes: Optional[float] = None, offload_disk: bool = False) -> dict[str, int]:
+                    optimizer_state_bytes: Optional[float] = None, offload_disk: bool = False,
+                    async_save: bool = False) -> dict[str, int]:
     """Per-rank model-state bytes that the ZeRO paper's formula predicts, and where they live.
 
     Stage 0 is plain data parallelism. With mixed-precision Adam (K = 12) this gives the paper's
@@ -79,6 +81,8 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     in the master's dtype. Stage 1 keeps its full device gradient for autograd besides. Between
     uses, ``offload_params`` (stage 3) keeps the parameter shards on the host, and ``offload_disk``
     (``offload_dir``) the optimizer state in files. Staging buffers of a few buckets are not counted.
+    ``checkpoint_buffers`` (not in ``total``) is the host memory ``async_save`` keeps between saves:
+    the rank's share of what a checkpoint holds, its pieces of the weights, masters and state.
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params={num_params!r} must be a non-negative integer")
@@ -117,6 +121,7 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     for loc in ("host", "disk"):
         out[loc] = int(round(sum(where[loc].values())))
     out["device"] = out["total"] - out["host"] - out["disk"]
+    out["checkpoint_buffers"] = int(round((param_b + master_b + state_b) * num_params / shard)) if async_save else 0
     return out
 
 
@@ -159,8 +164,9 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
     that aliases the parameters (see [Note: master weights]) is counted as parameters only. At
     stage 3, parameters are the shards plus whatever units are gathered at the moment. ``host``
     counts what the engine offloaded to host memory (on a CPU run that is the same memory as the
-    device's, but still told apart), ``disk`` the optimizer state in ``offload_dir`` files, and
-    ``workspace`` the engine's reusable buffers held free now (not in ``total``).
+    device's, but still told apart), ``disk`` the optimizer state in ``offload_dir`` files,
+    ``workspace`` the engine's reusable buffers held free now, and ``checkpoint_buffers`` the host
+    buffers ``async_save`` keeps between saves (neither in ``total``).
     """
     optimizers = list(optimizers)
     sharders = dict.fromkeys(s for s in (getattr(p, "_zero_sharder", None) for p in module.parameters()) if s)
@@ -179,6 +185,7 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
     stats["total"] = sum(stats[k] for k in KEYS)
     stats["workspace"] = count([*(t for s in sharders for t in s.workspace_tensors()),
                                 *(t for o in zero for t in o.memory_tensors()["workspace"])])
+    stats["checkpoint_buffers"] = checkpoint_buffer_bytes(module)  # async_save's host copies, not in total
     stats["host"] = count.host
     stats["disk"] = disk
     stats["device"] = stats["total"] - stats["host"] - stats["disk"]

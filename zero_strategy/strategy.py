@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from .activation import offload_activations
 from .checkpoint import is_deepspeed_checkpoint, is_sharded_checkpoint
+from .checkpoint.background import BackgroundSaver
 from .checkpoint.deepspeed import fit_to_module
 from .checkpoint.sharded import masters_from_state_dict, on_every_rank
 from .config import ZeroConfig
@@ -112,6 +113,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         quantized_gradients: Union[bool, str, None] = None,
         quantization_block_size: int = 256,
         secondary_partition_size: Optional[int] = None,
+        async_save: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -143,6 +145,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         self._start_method = options.start_method
         self._comm: Optional[Collectives] = None  # every collective of the engine, once the process group exists
         self._sharder: Optional[ParameterSharder] = None  # the model's flat groups, once set up
+        self._saver: Optional[BackgroundSaver] = None  # with async_save, once set up
 
     # ---- what Lightning asks about the layout of processes ---------------------------------
 
@@ -214,6 +217,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         engine = setup_engine(self.model, self.config, self.precision_plugin.working, self.comm, self.root_device,
                               configure_optimizers if fitting else (), sharder=self._sharder)
         self._sharder = engine.sharder
+        self._saver = engine.saver
         if fitting:
             self.optimizers = list(engine.optimizers)
         self.setup_precision_plugin()
@@ -251,7 +255,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         """The module, its sharder and optimizers as the shared checkpoint code takes them."""
         assert self.lightning_module is not None
         return EngineModel(self.lightning_module, self.engine_config, self.precision_plugin.working, self.comm,
-                           self.root_device, self._sharder, self._zero_optimizers)
+                           self.root_device, self._sharder, self._zero_optimizers, self._saver)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -406,11 +410,23 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         assert self.lightning_module is not None
         return memory_stats(self.lightning_module, self.optimizers)
 
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """ModelCheckpoint's removal of a checkpoint it no longer keeps. With ``async_save`` it waits until
+        the save in flight has committed, so the newest complete checkpoint is never removed before its
+        successor is complete (see [Note: saving in the background])."""
+        saver = self._saver
+        if saver is None:
+            return super().remove_checkpoint(filepath)
+        saver.after_commit(lambda: super(ZeroStrategy, self).remove_checkpoint(filepath))
+
     def teardown(self) -> None:
+        saver, self._saver = self._saver, None
         for opt in self.optimizers:
             if isinstance(opt, ZeroOptimizer):
                 opt.remove_hooks()
         super().teardown()  # at stage 3 the model stays sharded, ready for test or predict
+        if saver is not None:
+            saver.close()  # the end of training waits for the last save, and raises what it failed with  # at stage 3 the model stays sharded, ready for test or predict
 
     # ---- collectives Lightning uses (logging with sync_dist, metrics, callbacks) -------------
 

@@ -11,9 +11,10 @@ stages 1 and 2, buffers) is whole on every rank, and rank 0 saves it.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from ..engine.parameters import ParameterSharder
 from ..engine.state import is_elementwise
 from . import store
 from .store import CheckpointError, CheckpointReader, RankWriter
+
+if TYPE_CHECKING:
+    from .background import BackgroundSaver
 
 MODEL, MASTER = "model/", "master/"
 
@@ -63,9 +67,10 @@ class _RankRecord:
 
 
 def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
-             sharder: Optional[ParameterSharder], checksums: bool) -> tuple[RankWriter, _RankRecord]:
+             sharder: Optional[ParameterSharder], checksums: bool,
+             buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[RankWriter, _RankRecord]:
     names = parameter_names(module)
-    writer, record = RankWriter(rank, with_checksums=checksums), _RankRecord()
+    writer, record = RankWriter(rank, with_checksums=checksums, buffers=buffers), _RankRecord()
 
     def add(name: str, values: torch.Tensor, start: int, shape: torch.Size) -> None:
         record.specs[name] = (list(shape), str(values.dtype).removeprefix("torch."))
@@ -130,7 +135,8 @@ def on_every_rank(comm: Collectives, load: Callable[[], None]) -> None:
 
 
 def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[ZeroOptimizer],
-                 sharder: Optional[ParameterSharder], comm: Collectives, stage: int, checksums: bool = True) -> None:
+                 sharder: Optional[ParameterSharder], comm: Collectives, stage: int, checksums: bool = True,
+                 background: Optional["BackgroundSaver"] = None) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a sharded checkpoint directory. A collective.
 
     ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` are ignored: the weights and
@@ -138,8 +144,77 @@ def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optim
     ``"optimizer_states"`` key (a weights-only save) no optimizer state is written.
     ``checksums=False`` records none (see [Note: checksums]): only to measure what they cost, as
     benchmarks/bench_checkpoint.py does; such a checkpoint loads unverified, with a warning.
+    With a ``background`` saver the call returns once each rank's tensors are copied into its host
+    buffers, and the files are written behind it (see [Note: saving in the background] in background.py).
     """
     path = Path(path)
+    if background is not None:
+        background.wait()  # a second save waits for the first (and raises what it failed with)
+    snapshot = _snapshot(path, checkpoint, module, optimizers, sharder, comm, stage, checksums,
+                         background.buffers if background is not None else None)
+    if background is None:
+        snapshot.write(comm)
+    else:
+        background.start(snapshot, comm)
+
+
+@dataclass
+class _Snapshot:
+    """A save's state once the foreground part is done: this rank's tensors copied out of the engine
+    (``writer``), and what rank 0 needs for the index, taken from the module and the optimizers as they
+    were at the save. ``write`` writes it and commits it; it touches neither the module nor the optimizers,
+    so it may run on another thread while training goes on."""
+
+    path: Path
+    state: dict[str, Any]  # Lightning's dict without the weights, and the module's keys
+    with_optimizers: bool
+    param_groups: list  # per optimizer: its param groups, parameters by name
+    writer: Optional[RankWriter]
+    record: _RankRecord
+    stage: int
+    checksums: bool
+
+    def write(self, comm: Collectives) -> None:
+        """Write the rank file, agree over ``comm`` that every rank did, and commit (rank 0). A collective
+        of ``comm``; raises the same CheckpointError on every rank if any failed."""
+        tmp, record = store.partial_dir(self.path), self.record
+        try:
+            if record.error:
+                raise CheckpointError(record.error)
+            record.file, record.bytes = self.writer.file, self.writer.write(tmp)
+            record.parts = [[p.name, p.file, p.key, p.start, p.end] for p in self.writer.parts]
+            record.checksums = self.writer.checksums
+        except Exception as err:  # every rank must reach the all-gather below, whatever went wrong
+            record.error = record.error or _error(err)
+        try:
+            records: list[_RankRecord] = comm.all_gather_object(record)
+        except Exception as err:  # a rank died or left: its file may be half written
+            if comm.rank == 0:
+                store.discard(self.path)
+            raise CheckpointError(f"saving the checkpoint {self.path} failed: the ranks could not agree that every "
+                                  f"file was written (another rank died or stopped?): {_error(err)}. Nothing was "
+                                  "written over the previous checkpoint.") from err
+        failed = [(r, rec.error) for r, rec in enumerate(records) if rec.error]
+        status = ""
+        if comm.rank == 0:
+            if not failed:
+                try:
+                    _finish(self, records)
+                except Exception as err:
+                    failed, status = [(0, _error(err))], _error(err)
+            if failed:
+                store.discard(self.path)
+        status = comm.broadcast_object(status)
+        if failed or status:
+            where = failed[0] if failed else (0, status)
+            raise CheckpointError(f"saving the checkpoint {self.path} failed on rank {where[0]}: {where[1]}. Nothing "
+                                  "was written over the previous checkpoint.")
+
+
+def _snapshot(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[ZeroOptimizer],
+              sharder: Optional[ParameterSharder], comm: Collectives, stage: int, checksums: bool,
+              buffers: Optional[dict[str, torch.Tensor]]) -> _Snapshot:
+    """The foreground part of a save: the partial directory made, and this rank's tensors copied out."""
     with_optimizers = "optimizer_states" in checkpoint
     optimizers = list(optimizers) if with_optimizers else []
     status = ""
@@ -151,45 +226,11 @@ def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optim
     status = comm.broadcast_object(status)
     if status:
         raise CheckpointError(f"cannot create the checkpoint directory next to {path}: {status}")
-    tmp = store.partial_dir(path)
-
-    record = _RankRecord()
+    writer, record = None, _RankRecord()
     try:
-        writer, record = _collect(comm.rank, module, optimizers, sharder, checksums)
-        record.file, record.bytes = writer.file, writer.write(tmp)
-        record.parts = [[p.name, p.file, p.key, p.start, p.end] for p in writer.parts]
-        record.checksums = writer.checksums
-    except Exception as err:  # every rank must reach the all-gather below, whatever went wrong
+        writer, record = _collect(comm.rank, module, optimizers, sharder, checksums, buffers)
+    except Exception as err:  # reported by every rank in write(), after the agreement
         record.error = _error(err)
-    records: list[_RankRecord] = comm.all_gather_object(record)
-    failed = [(r, rec.error) for r, rec in enumerate(records) if rec.error]
-    status = ""
-    if comm.rank == 0:
-        if not failed:
-            try:
-                _finish(path, checkpoint, module, optimizers if with_optimizers else None, records, stage, checksums)
-            except Exception as err:
-                failed, status = [(0, _error(err))], _error(err)
-        if failed:
-            store.discard(path)
-    status = comm.broadcast_object(status)
-    if failed or status:
-        where = failed[0] if failed else (0, status)
-        raise CheckpointError(f"saving the checkpoint {path} failed on rank {where[0]}: {where[1]}. Nothing was "
-                              "written over the previous checkpoint.")
-
-
-def _finish(path: Path, checkpoint: dict[str, Any], module: nn.Module,
-            optimizers: Optional[Sequence[ZeroOptimizer]], records: list[_RankRecord], stage: int,
-            checksums: bool) -> None:
-    """Rank 0: the index and trainer state, then the swap into place."""
-    tmp = store.partial_dir(path)
-    tensors: dict[str, dict[str, Any]] = {}
-    for rec in records:
-        for name, (shape, dtype) in rec.specs.items():
-            tensors.setdefault(name, {"shape": shape, "dtype": dtype, "parts": []})
-        for name, file, key, start, end in rec.parts:
-            tensors[name]["parts"].append([file, key, start, end])
     names = parameter_names(module)
     model_keys, extra = {}, {}
     for key, value in module.state_dict(keep_vars=True).items():
@@ -198,27 +239,43 @@ def _finish(path: Path, checkpoint: dict[str, Any], module: nn.Module,
         else:
             extra[key] = value
     state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    param_groups = [[{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+                     for g in zopt.param_groups] for zopt in optimizers]
+    if buffers is not None:  # the state outlives this call: training may change what it refers to
+        state, extra, param_groups = copy.deepcopy((state, extra, param_groups))
+    state["zero_checkpoint"] = {"model_keys": model_keys, "model_extra_state": extra}
+    return _Snapshot(path, state, with_optimizers, param_groups, writer, record, stage, checksums)
+
+
+def _finish(snapshot: _Snapshot, records: list[_RankRecord]) -> None:
+    """Rank 0: the index and trainer state, then the swap into place."""
+    tmp = store.partial_dir(snapshot.path)
+    tensors: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        for name, (shape, dtype) in rec.specs.items():
+            tensors.setdefault(name, {"shape": shape, "dtype": dtype, "parts": []})
+        for name, file, key, start, end in rec.parts:
+            tensors[name]["parts"].append([file, key, start, end])
+    state = dict(snapshot.state)
     state["zero_checkpoint"] = {
-        "model_keys": model_keys,
-        "model_extra_state": extra,
-        "optimizers": None if optimizers is None else _optimizer_records(optimizers, names, records),
+        **state["zero_checkpoint"],
+        "optimizers": _optimizer_records(snapshot.param_groups, records) if snapshot.with_optimizers else None,
     }
     trainer_state = store.write_trainer_state(tmp, state)
-    index = {"format": store.FORMAT, "world_size": len(records), "stage": stage,
+    index = {"format": store.FORMAT, "world_size": len(records), "stage": snapshot.stage,
              "files": {rec.file: {"bytes": rec.bytes} for rec in records}, "tensors": tensors}
-    if checksums:  # see [Note: checksums]
+    if snapshot.checksums:  # see [Note: checksums]
         for rec in records:
             index["files"][rec.file]["checksums"] = rec.checksums
         index.update(checksum=store.CHECKSUM, trainer_state=trainer_state)
     store.write_index(tmp, index)
-    store.commit(path)
+    store.commit(snapshot.path)
 
 
-def _optimizer_records(optimizers: Sequence[ZeroOptimizer], names: dict[nn.Parameter, str],
-                       records: list[_RankRecord]) -> list[dict[str, Any]]:
+def _optimizer_records(param_groups: list, records: list[_RankRecord]) -> list[dict[str, Any]]:
     """Per optimizer: its param groups (parameters by name) and the state keys of each parameter."""
     out = []
-    for i, zopt in enumerate(optimizers):
+    for i, groups in enumerate(param_groups):
         scalars: dict[str, dict[str, Any]] = {}
         tensors: dict[str, list[str]] = {}
         for rec in records:
@@ -227,8 +284,6 @@ def _optimizer_records(optimizers: Sequence[ZeroOptimizer], names: dict[nn.Param
             for name, keys in rec.optim_tensors[i].items():
                 tensors.setdefault(name, [])
                 tensors[name] += [k for k in keys if k not in tensors[name]]
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-                  for g in zopt.param_groups]
         out.append({"state": scalars, "tensor_state": tensors, "param_groups": groups})
     return out
 

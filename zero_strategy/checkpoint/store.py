@@ -100,22 +100,26 @@ def _bytes_of(tensor: torch.Tensor) -> Any:
 _HASH_CHUNK_BYTES = 4 << 20
 
 
-def _host_copy(values: torch.Tensor, hasher: Any = None) -> torch.Tensor:
+def _host_copy(values: torch.Tensor, hasher: Any = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A flat contiguous CPU copy of ``values``, fed to ``hasher`` (a ``checksummer()``) a chunk at a
     time right after the chunk is copied, so the hash makes no second pass over memory (see [Note:
-    checksums])."""
+    checksums]). ``out``: a host tensor of the same size and dtype to copy into, else a new one."""
     flat = values.detach().reshape(-1)
-    on_host = flat.device.type == "cpu"
-    out = torch.empty_like(flat) if on_host else flat.to("cpu")  # from a device: one copy, then hashed
+    source: Optional[torch.Tensor] = flat
+    if flat.device.type != "cpu":  # from a device: one copy, then hashed
+        out = flat.to("cpu") if out is None else out.copy_(flat)
+        source = None
+    elif out is None:
+        out = torch.empty_like(flat)
     if hasher is None:
-        if on_host:
-            out.copy_(flat)
+        if source is not None:
+            out.copy_(source)
         return out
     step = max(1, _HASH_CHUNK_BYTES // out.element_size())
     for a in range(0, out.numel(), step):
         chunk = out[a:a + step]
-        if on_host:
-            chunk.copy_(flat[a:a + step])
+        if source is not None:
+            chunk.copy_(source[a:a + step])
         hasher.update(_bytes_of(chunk))
     return out
 
@@ -123,9 +127,11 @@ def _host_copy(values: torch.Tensor, hasher: Any = None) -> torch.Tensor:
 class RankWriter:
     """Collects one rank's ranges of named tensors and writes them as one safetensors file."""
 
-    def __init__(self, rank: int, with_checksums: bool = True) -> None:
+    def __init__(self, rank: int, with_checksums: bool = True,
+                 buffers: Optional[dict[str, torch.Tensor]] = None) -> None:
         self.file = rank_file(rank)
         self.with_checksums = with_checksums
+        self.buffers = buffers  # key -> host tensor kept from the last save, reused when it fits
         self.tensors: dict[str, torch.Tensor] = {}
         self.parts: list[Part] = []
         self.checksums: dict[str, str] = {}  # key -> checksum of the part's bytes
@@ -137,10 +143,19 @@ class RankWriter:
             return
         key = f"{name}@{start}"
         hasher = checksummer() if self.with_checksums else None
-        self.tensors[key] = _host_copy(values, hasher)
+        self.tensors[key] = _host_copy(values, hasher, self._buffer(key, values))
         if hasher is not None:
             self.checksums[key] = hasher.hexdigest()
         self.parts.append(Part(name, start, start + values.numel(), self.file, key))
+
+    def _buffer(self, key: str, values: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.buffers is None:
+            return None
+        kept = self.buffers.get(key)
+        if kept is None or kept.numel() != values.numel() or kept.dtype != values.dtype:
+            pin = values.device.type == "cuda"  # copies from the device go at full speed into pinned pages
+            kept = self.buffers[key] = torch.empty(values.numel(), dtype=values.dtype, pin_memory=pin)
+        return kept
 
     def write(self, folder: Path) -> int:
         """Write the file (an empty one when the rank owns nothing); returns its size in bytes."""

@@ -204,7 +204,9 @@ class ZeroEngine(nn.Module):
                                       load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def destroy(self) -> None:
-        """Remove the engine's hooks from the model and delete disk-offload files."""
+        """Wait for a checkpoint being saved in the background, remove the engine's hooks from the model
+        and delete disk-offload files."""
+        self.engine_model.finish_saves()
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
             self.optimizer.close()

@@ -58,8 +58,11 @@ def check_safe_to_load(state: dict[str, Any], call: str) -> None:
 def save_sharded_model(path: Any, state: dict[str, Any], model: EngineModel) -> None:
     """Write ``state`` (the front end's own, saved by rank 0) and the engine's weights, masters and,
     when ``state`` has an ``"optimizer_states"`` key, optimizer state (each rank its pieces) as a
-    sharded checkpoint directory, atomically. A collective."""
-    save_sharded(path, state, model.module, model.optimizers, model.sharder, model.comm, model.stage)
+    sharded checkpoint directory, atomically. A collective. With ``async_save`` it returns once the
+    tensors are copied out, and the files are written in the background (see [Note: saving in the
+    background] in checkpoint/background.py)."""
+    save_sharded(path, state, model.module, model.optimizers, model.sharder, model.comm, model.stage,
+                 background=model.saver)
 
 
 # ---- open ----------------------------------------------------------------------------------

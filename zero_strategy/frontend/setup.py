@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..activation import apply_activation_checkpointing
+from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.sharded import flat_groups
 from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
@@ -64,6 +65,7 @@ class EngineModel:
     device: torch.device
     sharder: Optional[ParameterSharder] = None
     optimizers: list[ZeroOptimizer] = field(default_factory=list)
+    saver: Optional[BackgroundSaver] = None  # with async_save: see [Note: saving in the background]
 
     @property
     def stage(self) -> int:
@@ -80,6 +82,11 @@ class EngineModel:
         if self.sharder is not None and self.stage == 3:
             return self.sharder.full_state_dict()
         return self.module.state_dict()
+
+    def finish_saves(self) -> None:
+        """Wait for a checkpoint being written in the background; raise what it failed with."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def remove_hooks(self) -> None:
         for opt in self.optimizers:
@@ -132,7 +139,8 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
                                        config.activation_checkpointing_interval, offload=config.offload_activations)
     built = list(optimizers() if callable(optimizers) else optimizers)  # 4
     _check_owned(module, built)
-    model = EngineModel(module, config, precision, comm, device)
+    model = EngineModel(module, config, precision, comm, device,
+                        saver=BackgroundSaver(module) if config.async_save else None)
     if config.stage == 3 and sharder is not None and sharder.module is module:  # 5
         for g in sharder.resident:  # the whole parameters were given new tensors (module.cpu() and back)
             g.adopt_params()
