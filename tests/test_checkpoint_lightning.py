@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from zero_strategy import consolidate_checkpoint
-from zero_strategy.checkpoint import is_sharded_checkpoint
+from zero_strategy.checkpoint import CheckpointReader, is_sharded_checkpoint
 
 from .test_lightning import launch_cases
 
@@ -32,6 +32,7 @@ def _cases(root: Path) -> dict[str, tuple[str, ...]]:
     """Every run the tests read, in an order where a resume follows the run that wrote its checkpoint."""
     zero3, ddp = root / "all" / "zero3" / "epochs" / "epoch=0.ckpt", root / "all" / "ddp" / "epochs" / "epoch=0.ckpt"
     return {"zero3": ("--strategy", "zero3"), "ddp": ("--strategy", "ddp"),
+            "zero3-async": ("--strategy", "zero3", "--async-save"),
             "zero3-from-zero3": ("--strategy", "zero3", "--resume", str(zero3)),
             "zero2-from-zero3": ("--strategy", "zero2", "--resume", str(zero3)),
             "zero1-from-ddp": ("--strategy", "zero1", "--resume", str(ddp)),
@@ -77,6 +78,27 @@ def test_model_checkpoint_writes_directories_and_keeps_top_k_and_last(root):
     for z, d in zip(ranks, ddp):
         torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(d["losses"]), rtol=1e-5, atol=1e-7)
         assert_close_params(z["params"], d["params"])
+
+
+@pytest.mark.timeout(600)
+def test_async_save_writes_the_same_checkpoints_and_keeps_top_k(root):
+    """ModelCheckpoint with async_save: the same directories as a synchronous save, holding the same
+    tensors, older best ones removed only after their successor was committed, and training as without."""
+    out, ranks = run(root, "zero3")
+    async_out = root / "all" / "zero3-async"
+    async_ranks = _all_runs(root)["zero3-async"]
+    assert sorted(p.name for p in (async_out / "epochs").iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt", "last.ckpt"]
+    assert [p.name for p in (async_out / "best").iterdir()] == [Path(async_ranks[0]["best"]).name]
+    assert not [p for p in async_out.rglob(".*")], "a partial or old directory was left behind"
+    for z, a in zip(ranks, async_ranks):
+        assert a["losses"] == z["losses"]
+        assert_close_params(a["params"], z["params"], exact=True)
+    for name in ("epoch=0.ckpt", "epoch=1.ckpt"):
+        sync, background = CheckpointReader(out / "epochs" / name), CheckpointReader(async_out / "epochs" / name)
+        names = [n for n in sync.index["tensors"]]
+        assert names == [n for n in background.index["tensors"]]
+        for tensor in names:
+            assert torch.equal(sync.full(tensor), background.full(tensor)), (name, tensor)
 
 
 @pytest.mark.timeout(600)

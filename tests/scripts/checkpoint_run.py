@@ -1,6 +1,6 @@
 """Checkpoints through Lightning on 2 CPU processes (popen: this script runs once per rank).
 
-    python checkpoint_run.py --strategy zero3 --out DIR [--resume CKPT]
+    python checkpoint_run.py --strategy zero3 --out DIR [--resume CKPT] [--async-save]
 
 Trains a tiny language model (tied input/output embedding, a frozen layer) for 2 epochs of 4 steps,
 with two ModelCheckpoints: one per epoch (kept) and the best by training loss (top-1, so older
@@ -56,12 +56,12 @@ class TinyLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
 
 
-def strategy(name: str):
+def strategy(name: str, async_save: bool = False):
     if name == "ddp":
         return "ddp"
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}[name]
     units = dict(shard_modules=("Linear", "Embedding"), param_persistence_threshold=0) if stage == 3 else {}
-    return ZeroStrategy(stage=stage, **units)
+    return ZeroStrategy(stage=stage, async_save=async_save, **units)
 
 
 def main() -> None:
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--strategy", required=True, choices=["ddp", "zero1", "zero2", "zero3"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", default=None, help="a checkpoint to start the second epoch from")
+    parser.add_argument("--async-save", action="store_true", help="ZeroStrategy(async_save=True)")
     parser.add_argument("--cases", help="JSON: case name -> extra arguments, run in turn; each writes OUT/<case>/")
     args = parser.parse_args()
     if args.cases is None:
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> None:
         ModelCheckpoint(dirpath=os.path.join(args.out, "best"), filename="best-{step}", monitor="train_loss",
                         every_n_train_steps=1, save_top_k=1, mode="min"),
     ]
-    trainer = L.Trainer(strategy=strategy(args.strategy), accelerator="cpu", devices=2, max_epochs=2, logger=False,
+    trainer = L.Trainer(strategy=strategy(args.strategy, args.async_save), accelerator="cpu", devices=2, max_epochs=2, logger=False,
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(tokens, batch_size=4), ckpt_path=args.resume)
     state = trainer.strategy.full_state_dict() if args.strategy != "ddp" else trainer.strategy.lightning_module_state_dict()
