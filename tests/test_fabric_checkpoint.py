@@ -1,5 +1,5 @@
 """fabric.save / fabric.load with ZeroFabricStrategy, on gloo processes: a sharded checkpoint saved at
-world size 2 and stage 3 continues bit for bit at world size 1 and stage 2; the Trainer and Fabric
+world size 2 and stage 3 (in the background, async_save) continues bit for bit at world size 1 and stage 2; the Trainer and Fabric
 load each other's checkpoints; regular files go both ways between Fabric's DDP and ZeRO."""
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ def _optimizer_state(optimizer) -> dict:
 
 def _train_and_save_at_stage_3(rank: int, world_size: int, path: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
-    fabric = fabric_for(zero(3), world_size)
+    fabric = fabric_for(zero(3, async_save=True), world_size)  # written in the background while training goes on
     model, optimizer, scheduler = _model_and_state(fabric, seed=0)
     for step in range(2):
         _step(fabric, model, optimizer, scheduler, [micro_batch(step, rank)])
     fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2})
     saved = {"weights": whole(fabric, model), "optimizer": _optimizer_state(optimizer)}
     losses = [_step(fabric, model, optimizer, scheduler, [micro_batch(step, rank)])[0] for step in (2, 3)]
+    fabric.strategy.wait_for_saves()
     return {**saved, "losses": losses, "after": whole(fabric, model)}
 
 

@@ -421,12 +421,17 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         engine = self._engine_of(module, "memory_stats(model)")
         return memory_stats(engine.module, engine.optimizers)
 
+    def wait_for_saves(self) -> None:
+        """With ``async_save``: wait until the checkpoint being written in the background is committed,
+        and raise what it failed with. ``fabric.save`` and the end of the run wait by themselves."""
+        for engine in self._engines:
+            engine.finish_saves()
+
     def teardown(self) -> None:
         for engine in self._engines:
             engine.remove_hooks()
         super().teardown()
-        for engine in self._engines:
-            engine.finish_saves()  # the end waits for a save in the background, and raises what it failed with
+        self.wait_for_saves()  # the end waits for a save in the background, and raises what it failed with
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

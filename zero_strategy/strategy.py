@@ -410,6 +410,12 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         assert self.lightning_module is not None
         return memory_stats(self.lightning_module, self.optimizers)
 
+    def wait_for_saves(self) -> None:
+        """With ``async_save``: wait until the checkpoint being written in the background is committed,
+        and raise what it failed with. The next save and the end of training wait by themselves."""
+        if self._saver is not None:
+            self._saver.wait()
+
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's removal of a checkpoint it no longer keeps. With ``async_save`` it waits until
         the save in flight has committed, so the newest complete checkpoint is never removed before its
