@@ -158,3 +158,44 @@ def test_bf16_state_writes_round_stochastically_and_count_two_bytes():
     nearest = Bf16State(torch.zeros(1000, dtype=torch.bfloat16), stochastic=False)
     nearest.encode_(x)
     assert bool((nearest.decode() == 1.0).all())
+
+
+@pytest.mark.parametrize("moments", ["int8", "bf16"])
+@pytest.mark.parametrize("master", [torch.float32, torch.bfloat16])
+def test_the_cuda_kernels_reference_is_the_engines_torch_step(moments, master):
+    """kernels.reference.adam_lowp_step (what cuda/adam_lowp.cu must match) equals decoding, torch's own
+    AdamW over fp32 scratch (step_stored) and encoding, with the master rounded stochastically."""
+    from zero_strategy.kernels import reference
+
+    g = torch.Generator().manual_seed(4)
+    n, key, start, seed, step_count = 600, 9, 1000, 5, 3
+    p0, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m0, v0 = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 1e-3
+
+    def stored():
+        if moments == "int8":
+            out = {"exp_avg": Int8State.empty(n, True), "exp_avg_sq": Int8State.empty(n, False)}
+        else:
+            out = {name: Bf16State(torch.empty(n, dtype=torch.bfloat16), key=key, start=start, slot=slot)
+                   for slot, name in ((1, "exp_avg"), (2, "exp_avg_sq"))}
+        out["exp_avg"].encode_(m0, seed, 0) if moments == "bf16" else out["exp_avg"].encode_(m0)
+        out["exp_avg_sq"].encode_(v0, seed, 0) if moments == "bf16" else out["exp_avg_sq"].encode_(v0)
+        return out
+
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    mine, theirs = stored(), stored()
+    param = p0.to(master).float().clone()
+    ref_param = p0.to(master).clone()
+
+    def torch_step(state):
+        return step_views(torch.optim.AdamW, {"foreach": False}, [(param, grad, (0, hyper), state)])[param]
+
+    step_stored(mine, {"step": torch.tensor(2.0)}, torch_step, seed=seed, step_count=step_count)
+    if master == torch.bfloat16:
+        param = round_to_bf16(param, True, seed, step_count, key, start)
+    reference.adam_lowp_step([ref_param], [grad], [theirs["exp_avg"]], [theirs["exp_avg_sq"]], [3.0], keys=[key],
+                             starts=[start], seed=seed, step_count=step_count, lr=1e-2, beta1=0.9, beta2=0.99,
+                             eps=1e-8, weight_decay=0.1, decoupled=True)
+    assert torch.equal(ref_param, param.to(master))
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(theirs[name].decode(), mine[name].decode()), name

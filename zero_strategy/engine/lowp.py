@@ -167,10 +167,17 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def random_bits16(seed: int, step: int, key: int, start: int, numel: int, device: Any = "cpu") -> torch.Tensor:
+def sr_base(seed: int, step: int, key: int, slot: int = 0) -> int:
+    """What the random bits of one state tensor at one step start from (cuda/adam_lowp.cu mixes it the
+    same way): ``slot`` tells a parameter's state tensors apart (0: the master, 1 and 2: Adam's moments)."""
+    return _signed64((seed * 0x100000001B3 ^ step * 0x9E3779B1 ^ key * 0x85EBCA77) ^ slot)
+
+
+def random_bits16(seed: int, step: int, key: int, start: int, numel: int, device: Any = "cpu",
+                  slot: int = 0) -> torch.Tensor:
     """16 random bits (int32 in [0, 65536)) per position ``start...start+numel-1``: a splitmix64 hash of
-    (seed, step, key, position), the same for a position whatever tensor it is computed in."""
-    base = _signed64(seed * 0x100000001B3 ^ step * 0x9E3779B1 ^ key * 0x85EBCA77)
+    (seed, step, key, slot, position), the same for a position whatever tensor it is computed in."""
+    base = sr_base(seed, step, key, slot)
     z = torch.arange(start, start + numel, dtype=torch.int64, device=device)
     z = z * _GOLDEN + base  # wraps modulo 2**64, as splitmix64 means it to
     z = (z ^ _shift_right(z, 30)) * _MIX1
@@ -180,14 +187,14 @@ def random_bits16(seed: int, step: int, key: int, start: int, numel: int, device
 
 
 def round_to_bf16(x: torch.Tensor, stochastic: bool, seed: int = 0, step: int = 0, key: int = 0,
-                  start: int = 0) -> torch.Tensor:
+                  start: int = 0, slot: int = 0) -> torch.Tensor:
     """``x`` (fp32) as bf16: stochastically rounded when ``stochastic``, else to nearest. Infinities and
     NaNs round to nearest (adding bits could turn the largest finite value into infinity: it stays)."""
     if not stochastic:
         return x.to(torch.bfloat16)
     flat = x.detach().float().reshape(-1).contiguous()
     bits = flat.view(torch.int32)
-    noisy = (bits + random_bits16(seed, step, key, start, flat.numel(), flat.device)) & ~0xFFFF
+    noisy = (bits + random_bits16(seed, step, key, start, flat.numel(), flat.device, slot)) & ~0xFFFF
     rounded = noisy.view(torch.float32)
     keep = torch.isfinite(rounded) & torch.isfinite(flat)
     out = torch.where(keep, rounded, flat).to(torch.bfloat16)  # exact: the low 16 bits are zero
@@ -202,6 +209,7 @@ class Bf16State:
     stochastic: bool = True
     key: int = 0  # which parameter (see random_bits16)
     start: int = 0  # the position of values[0] in the parameter
+    slot: int = 0  # which of the parameter's state tensors (0: the master, 1 and 2: Adam's moments)
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +219,7 @@ class Bf16State:
         return self.values.float() if out is None else out.copy_(self.values)
 
     def encode_(self, x: torch.Tensor, seed: int = 0, step: int = 0) -> None:
-        self.values.copy_(round_to_bf16(x, self.stochastic, seed, step, self.key, self.start))
+        self.values.copy_(round_to_bf16(x, self.stochastic, seed, step, self.key, self.start, self.slot))
 
 
 # ---- a tile's step over stored state -----------------------------------------------------------

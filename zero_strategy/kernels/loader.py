@@ -42,6 +42,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "quantize": tuple(f"quant_scales<{t}>" for t in GRAD_TYPES)
     + tuple(f"{k}<{t}, {b}>" for k, t, b in product(("quant_codes", "dequant_rows"), GRAD_TYPES, (8, 4)))
     + ("dequant_sum<8>", "dequant_sum<4>"),
+    "adam_lowp": tuple(f"adam_lowp_step<{g}, {s}, {p}>" for g, s, p in product(("float", "bf16_t"), ("q8_t", "bf16_t"),
+                                                                               ("float", "bf16_t"))),
 }
 """Every kernel each source defines, by the name CuPy looks it up with (its explicit instantiations)."""
 

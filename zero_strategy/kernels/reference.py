@@ -104,3 +104,26 @@ def grad_norm_and_overflow(tensors: Sequence[torch.Tensor], norm_type: float = 2
     norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32)).double()
     total = norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
     return total.float(), ~torch.isfinite(total)
+
+
+@torch.no_grad()
+def adam_lowp_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence, exp_avg_sqs: Sequence,
+                   steps: Sequence[Union[float, int, torch.Tensor]], *, keys: Sequence[int], starts: Sequence[int],
+                   seed: int, step_count: int, **adam) -> None:
+    """Adam or AdamW (``adam``: adam_step's keywords) over low-precision state, as cuda/adam_lowp.cu: each
+    moment an ``Int8State`` or a ``Bf16State`` (engine/lowp.py), each param fp32 or a bf16 master rounded
+    stochastically; decoded into fp32, stepped by ``adam_step``, encoded back. ``keys[i]`` and ``starts[i]``
+    place params[i] for the random bits, with ``seed`` and the optimizer's ``step_count``."""
+    from ..engine.lowp import Bf16State, round_to_bf16  # the encodings: engine/lowp.py
+
+    for i, param in enumerate(params):
+        master = param.float() if param.dtype == torch.bfloat16 else param
+        m, v = exp_avgs[i].decode(), exp_avg_sqs[i].decode()
+        adam_step([master], [grads[i]], [m], [v], [steps[i]], **adam)
+        for slot, (stored, value) in enumerate(((exp_avgs[i], m), (exp_avg_sqs[i], v)), start=1):
+            if isinstance(stored, Bf16State):
+                stored.values.copy_(round_to_bf16(value, True, seed, step_count, keys[i], starts[i], slot))
+            else:
+                stored.encode_(value)
+        if param.dtype == torch.bfloat16:
+            param.copy_(round_to_bf16(master, True, seed, step_count, keys[i], starts[i], 0))
