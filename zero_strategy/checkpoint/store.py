@@ -54,6 +54,7 @@ import io
 import json
 import os
 import shutil
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +62,8 @@ from typing import Any, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from .files import follow_umask, write_durably
+from .files import write_durably
 from .format import (_SAFETENSORS_CODE, CHECKSUM, DTYPES, FORMAT, INDEX, TRAINER_STATE, CheckpointError,
                      UnverifiedCheckpointWarning, checksum, checksummer, is_partial, is_sharded_checkpoint, old_dir,
                      partial_dir, rank_file)
@@ -160,9 +160,32 @@ class RankWriter:
     def write(self, folder: Path) -> int:
         """Write the file (an empty one when the rank owns nothing); returns its size in bytes."""
         target = folder / self.file
-        save_file(self.tensors, str(target), metadata={"format": FORMAT})
-        follow_umask(target)
+        write_safetensors(target, self.tensors, {"format": FORMAT})
         return target.stat().st_size
+
+
+def write_safetensors(target: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """``tensors`` (contiguous CPU tensors) as a safetensors file, written straight from their memory.
+
+    safetensors' own ``save_file`` first copies every tensor into a Python ``bytes`` object: a second
+    copy of the rank's share of the checkpoint in memory, and CPU time under the GIL that a training
+    thread beside a background save would wait for. The format is a little-endian u64 header length,
+    the JSON header (each tensor's dtype, shape and byte range; padded with spaces to 8 bytes), then
+    the tensors' bytes in that order; ``safe_open`` reads it as any other. The file is created with a
+    plain ``open()``, so its mode follows the umask."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _SAFETENSORS_CODE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(target, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for t in tensors.values():
+            if t.numel():
+                f.write(_bytes_of(t))  # a view of the tensor's memory: no copy, the GIL released while it writes
 
 
 def write_index(folder: Path, index: dict[str, Any]) -> None:
