@@ -354,6 +354,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         self._all_gather_params()
+        self.sharder.shards_written(self.groups)  # a unit held across the step holds the new weights
         self.comm.end_step()  # the step's bytes become comm_stats()
         self.optim._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check this flag,
         self._opt_called = True  # on whichever optimizer they were pointed at
@@ -371,9 +372,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not kernels.optimizer_step(self.inner, grad_scale=self._step.scale, lowp_out=working,
                                       grads=dict(self._step.pairs)):
             return False
-        for g in self.groups:  # the working weights were written by the update: a gathered copy is stale
-            if not g.resident and g.gathered:
-                g.release()
         return True
 
     def _torch_step(self) -> None:
@@ -433,9 +431,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         hooked_step(self.inner, tiles)
         wait_for_copies(self._device)
-        for g in self.groups:  # the pieces were written back tile by tile: a gathered copy is stale now
-            if not g.resident and g.gathered:
-                g.release()
 
     def _keep_state_on_host(self) -> None:
         """Lightning's checkpoint restore moves optimizer state to the root device; put it back."""

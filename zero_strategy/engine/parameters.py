@@ -274,7 +274,7 @@ class ParameterSharder:
         its secondary parts is gathered from them, within its secondary group; any other the way
         forward gathers it (and without keeping anything).
         """
-        if unit.state is UnitState.RELEASED:
+        if unit.needs_gather:
             self.guard.check(unit.index, phase, context.index if context is not None else -1)
             backward = phase in (BACKWARD, PREFETCH_BACKWARD, RECOMPUTE)
             if backward and self.secondary is not None and unit.has_secondary:
@@ -288,6 +288,18 @@ class ParameterSharder:
                             None if phase == OUTSIDE else self.weight_quantization, keep)
         if wait:
             unit.wait()
+
+    def shards_written(self, groups: Iterable[FlatGroup]) -> None:
+        """``groups``' shards were written by a step (a collective point): their gathered copies are
+        stale, and the units holding them gather again now, exactly (see [Note: one record of a
+        unit's gather] in unit.py)."""
+        written = {id(g) for g in groups}
+        for g in self.groups:
+            if id(g) in written:
+                g.shard_written()
+        for unit in self.all_units:
+            if unit.stale:
+                self.gather(unit)
 
     def hold_root(self) -> None:
         """Gather the root unit and keep it until backward ends (or ``release_root``): a training,
@@ -539,6 +551,7 @@ def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple["P
     what = f"broadcast of gathered_parameters' edits from rank {rank}"
     with torch.no_grad():
         for sharder, u in units:
+            sharder.gather(u)  # a load inside the block left it stale: the loaded values are the ones to keep
             for g in u.groups:
                 assert g.buffer is not None
                 sharder.comm.broadcast(g.buffer, src=rank, what=lambda: what)

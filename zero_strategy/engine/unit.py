@@ -2,6 +2,18 @@
 
 The unit owns its lifecycle (``gather``, ``wait``, ``release``, ``hold``); the sharder
 (parameters.py) decides *when*, from the modules' hooks, and keeps the order and prefetch.
+
+[Note: one record of a unit's gather]
+Whether a unit's parameters are whole is its ``state``; its groups' full buffers are allocated by
+its ``gather`` and freed by its ``release`` only, so the two records cannot disagree. Code that
+writes the shards of gathered groups (the optimizer's step, a checkpoint load) says so with
+``ShardedGroup.shard_written``: the buffer is then *stale*, and the unit's next ``gather`` gathers
+it again in place, over the same buffer its parameters already view. The step, a collective
+point, has the sharder do that at once (``shards_written``), so a unit held across it
+(``gathered_parameters``) holds the stepped weights; a checkpoint load is no collective, so a unit
+held across one shows the loaded weights from its next gather on (the next forward, or the end of
+a ``gathered_parameters`` block with a modifier). (Freeing a group's buffer behind its unit's back
+left the unit GATHERED over empty parameters.)
 """
 
 from __future__ import annotations
@@ -52,13 +64,23 @@ class Unit:
         """Whether the full buffers exist (all-gathers may still be in flight)."""
         return self.state is not UnitState.RELEASED
 
+    @property
+    def stale(self) -> bool:
+        """Gathered, but a shard was written since: see [Note: one record of a unit's gather]."""
+        return self.state is not UnitState.RELEASED and any(g.stale for g in self._sharded())
+
+    @property
+    def needs_gather(self) -> bool:
+        return self.state is UnitState.RELEASED or self.stale
+
     def gather(self, comm: Collectives, what: Callable[[], str], quantize: Optional[QuantSpec] = None,
                keep_secondary: Optional[Collectives] = None) -> None:
-        """Start the all-gathers of a released unit (nothing otherwise); ``wait()`` before reading.
-        ``quantize`` and ``keep_secondary``: see [Note: quantized gathers] and [Note: secondary
-        partition] in flat.py."""
-        if self.state is not UnitState.RELEASED:
+        """Start the all-gathers of a released or stale unit (nothing otherwise); ``wait()`` before
+        reading. ``quantize`` and ``keep_secondary``: see [Note: quantized gathers] and [Note:
+        secondary partition] in flat.py."""
+        if not self.needs_gather:
             return
+        wait_all(self._pending)  # a stale unit's earlier gather: it writes the buffer until it completes
         for g in self._sharded():
             self._pending += g.gather(comm, what, quantize, keep_secondary)
         self.state = UnitState.GATHERING
