@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from zero_strategy import ZeroConfig, ZeroOptimizer, estimate_memory, gathered_parameters, memory_stats
 from zero_strategy.engine import shard_module
 from zero_strategy.engine.offload import DiskState, host_optimizer_kwargs
+from zero_strategy.engine.step_disk import DiskStep
 from zero_strategy.engine.tiled_step import TilePart, plan_tiles
 
 from .distributed import run_distributed
@@ -53,7 +54,7 @@ def _run(rank, stage, options, accumulate=False, round_trip=False):
     with gathered_parameters(model):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     stats = memory_stats(model, [opt])
-    files = sorted(os.listdir(opt._disk.disk.folder)) if opt._disk is not None else []
+    files = sorted(os.listdir(opt.step_backend.disk.folder)) if isinstance(opt.step_backend, DiskStep) else []
     opt.close()
     return losses, params, state, stats, files
 

@@ -40,7 +40,8 @@ class StepGradients:
         self.overflow = False
         self.scale: GradScale = 1.0  # what the gradients still owe (deferred only)
         self.deferred = False  # raw gradients and a factor: see [Note: the fused mixed-precision step]
-        self.altered = False  # changed since reduced (clipped, or handed out): see overlap.py
+        self.altered = False  # handed out since reduced (the caller may have changed them): see overlap.py
+        self.factors: list[torch.Tensor] = []  # clip coefficients applied since reduced
 
     @property
     def ready(self) -> bool:
@@ -55,14 +56,22 @@ class StepGradients:
             loss_scale: Optional[float]) -> None:
         """The reduced gradients (``deferred``: as reduced; else already fp32 copies), before unscaling."""
         self.pairs, self.where, self.deferred, self.overflow, self.altered = pairs, where, deferred, False, False
+        self.factors = []
         factor = 1.0 / loss_scale if loss_scale is not None else 1.0
         if deferred:
             self.scale = factor
         elif factor != 1.0 and pairs:
             torch._foreach_mul_(self.grads, factor)
 
+    @property
+    def changed(self) -> bool:
+        """Whether the gradients may differ from their reduction's result: handed out, or clipped by
+        a coefficient other than exactly 1 (read only by the overlapped step: a device sync)."""
+        return self.altered or any(not bool((f == 1).all()) for f in self.factors)
+
     def multiply(self, factor: torch.Tensor) -> None:
         """Scale every gradient by ``factor`` (a clip coefficient): deferred, or in place."""
+        self.factors.append(factor)
         if self.deferred:
             self.scale = factor * self.scale
         elif self.pairs:
