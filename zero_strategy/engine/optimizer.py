@@ -9,24 +9,7 @@ of the owned shard instead (see [Note: master copies] in flat.py). The user's op
 ``param_groups`` list is shared with this one, so LR schedulers built on it and Lightning's LR
 monitor see and change the hyperparameters that the inner optimizer uses at every step.
 
-[Note: offloaded step]
-With ``offload_optimizer`` the master pieces, their gradients and the inner optimizer's state are
-host tensors (see offload.py), and the inner optimizer is re-created fused (or foreach) for the
-host (step_host.py). The step runs tile by tile, each tile's updated pieces starting their copy to the device as
-the next tile steps; then the device waits for those copies and the all-gathers run as usual. With
-``offload_dir`` the state of each tile comes from disk and goes back to it; ``state_dict()`` reads
-it all into memory for the consolidation and ``load_state_dict()`` writes it all out again, so the
-unsharded state dict is the same as without offload.
-
-[Note: kernels in the step]
-On CUDA, when CuPy imports (see zero_strategy/kernels), three passes run as fused kernels: the
-overflow check of the loss scaler and the local norm for clipping (one read of every gradient,
-``grad_norm_and_overflow``), and the update of Adam, AdamW and SGD (``optimizer_step``: one
-launch per param group over all its pieces, each piece with its own step count, the state kept
-in torch's layout in ``inner.state``). Any other optimizer, dtype or device runs torch's own
-code, as on CPU, and ``ZERO_STRATEGY_KERNELS=torch`` forces that everywhere.
-
-Which of these runs is the step backend's (see [Note: step backends] in step_backend.py), chosen
+The step itself is the step backend's (see [Note: step backends] in step_backend.py), chosen
 once here, in ``choose_step_backend``.
 """
 
@@ -38,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import kernels
 from ..config import ZeroConfig
@@ -200,23 +182,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if received[ref.group_index][ref.piece.param]:
                 pairs.append((ref.tensor, self.reducer.piece_grad(ref.group_index, ref.piece)))
                 where.append((ref.group_index, ref.index))
-        deferred = bool(pairs) and self.step_backend.defers_gradients
-        if not deferred:
-            pairs = [(master, grad.to(master.dtype)) for master, grad in pairs]  # a copy only for a wider master
-        self._step.set(pairs, where, deferred, self.scaler.scale if self.scaler is not None else None)
-        if self.scaler is None:
-            return
-        grads = self._step.grads
-        if not grads:
-            bad = torch.zeros(1, dtype=torch.uint8, device=self._device)
-        elif kernels.available(grads[0]):  # one fused pass on CUDA: see [Note: kernels in the step]
-            bad = kernels.grad_norm_and_overflow(grads)[1].to(torch.uint8).reshape(1)
-        else:
-            norms = torch._foreach_norm(grads, dtype=torch.float32)  # fp32: an fp16 norm overflows by itself
-            bad = (~torch.isfinite(torch.stack(norms).sum())).to(torch.uint8).reshape(1)
-        bad = bad.to(self._device)  # host gradients (offload) give a host flag; every rank takes part
-        self.comm.all_reduce(bad, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of the overflow flag")
-        self._step.overflow = bool(bad.item())
+        self._step.set(pairs, where, self.step_backend.defers_gradients,
+                       self.scaler.scale if self.scaler is not None else None)
+        if self.scaler is not None:
+            self._step.find_overflow(self.comm, self._device)
 
     def piece_grads(self) -> list[torch.Tensor]:
         """The master gradients (see reduce_gradients), unscaled and clipped, in the masters' dtype."""
@@ -287,26 +256,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Returns the total norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does.
         """
         self.reduce_gradients()
-        grads = self._step.grads  # raw when the step is fused: see [Note: the fused mixed-precision step]
-        device = self._device  # the collective's; offloaded gradients are on the host
-        inf = float(norm_type) == float("inf")
-        if grads and kernels.available(grads[0]) and float(norm_type) in (2.0, float("inf")):
-            total = kernels.grad_norm_and_overflow(grads, norm_type)[0].double()  # sum of squares, or the max
-        else:
-            nonempty = [g for g in grads if g.numel()]  # foreach has no inf-norm of an empty tensor
-            norms = (torch.stack(torch._foreach_norm(nonempty, norm_type, dtype=torch.float32)).double()
-                     if nonempty else torch.zeros(1, device=device))  # fp32: raw bf16/fp16 norms round or overflow
-            total = norms.max() if inf else norms.pow(norm_type).sum()
-        total = self._step.norm_power_of_raw(total, float(norm_type)).to(device)
-        what = lambda: "all-reduce of the gradient norm for clipping"  # noqa: E731
-        if inf:
-            self.comm.all_reduce(total, op=dist.ReduceOp.MAX, what=what)
-        else:
-            self.comm.all_reduce(total, what=what)
-            total = total.pow(1.0 / norm_type)
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        self._step.multiply(coef)
-        return total.to(torch.float32)
+        return self._step.clip_norm(float(max_norm), float(norm_type), self.comm, self._device)
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -321,7 +271,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Inside the block ``inner.state[piece]`` holds every piece's whole state, as without disk
         offload (read from the files into host memory: this rank's whole shard of it); after it, the
         state goes back to the files, with any change made inside. Without disk offload: nothing to do.
-        For code that reads ``inner.state`` directly (checkpoints): see [Note: offloaded step]."""
+        For code that reads ``inner.state`` directly (checkpoints): see [Note: offloaded step] in step_host.py."""
         with self.step_backend.state_in_memory():
             yield
 

@@ -11,7 +11,7 @@ chosen once when the ZeroOptimizer is built (``choose_step_backend`` in optimize
   the clipping and the write-back (see [Note: the fused mixed-precision step] in step_grads.py);
   what the kernels do not take over steps as one of the two above;
 - ``HostTilesStep`` (step_host.py): optimizer offload, on host tensors, tile by tile, each tile's
-  write-back to the device overlapping the next tile (see [Note: offloaded step] in optimizer.py);
+  write-back to the device overlapping the next tile (see [Note: offloaded step] in step_host.py);
 - ``DiskStep`` (step_disk.py): the same with the elementwise state in files (``offload_dir``);
 - ``OverlappedStep`` (step_overlap.py): the host step started during backward
   (``offload_overlap``: see [Note: the overlapped host step] in overlap.py).

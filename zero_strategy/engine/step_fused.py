@@ -1,5 +1,13 @@
-"""The update in the CUDA kernels (see [Note: kernels in the step] in optimizer.py, and
-[Note: step backends])."""
+"""The update in the CUDA kernels (see [Note: step backends] in step_backend.py).
+
+[Note: kernels in the step]
+On CUDA, when CuPy imports (see zero_strategy/kernels), three passes run as fused kernels: the
+overflow check of the loss scaler and the local norm for clipping (one read of every gradient,
+``grad_norm_and_overflow``), and the update of Adam, AdamW and SGD (``optimizer_step``: one
+launch per param group over all its pieces, each piece with its own step count, the state kept
+in torch's layout in ``inner.state``). Any other optimizer, dtype or device runs torch's own
+code, as on CPU, and ``ZERO_STRATEGY_KERNELS=torch`` forces that everywhere.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,15 @@
-"""Optimizer offload's step on host tensors, tile by tile (see [Note: offloaded step] in
-optimizer.py, [Note: stepping in tiles] in offload.py, and [Note: step backends])."""
+"""Optimizer offload's step on host tensors, tile by tile (see [Note: stepping in tiles] in
+offload.py, and [Note: step backends] in step_backend.py).
+
+[Note: offloaded step]
+With ``offload_optimizer`` the master pieces, their gradients and the inner optimizer's state are
+host tensors (see offload.py), and the inner optimizer is re-created fused (or foreach) for the
+host. The step runs tile by tile, each tile's updated pieces starting their copy to the device as
+the next tile steps; then the device waits for those copies and the all-gathers run as usual. With
+``offload_dir`` the state of each tile comes from disk and goes back to it; ``state_dict()`` reads
+it all into memory for the consolidation and ``load_state_dict()`` writes it all out again, so the
+unsharded state dict is the same as without offload.
+"""
 
 from __future__ import annotations
 
