@@ -1,8 +1,9 @@
 """Stage 3: parameters live as shards; a unit is gathered just before it runs and released after.
 
 Which parameters form which unit is planned in unit_plan.py (see [Note: units] and
-[Note: default units]); a unit's own lifecycle is in unit.py. This file decides when: from the
-modules' hooks, in the order the model runs them, with prefetch and the order guard.
+[Note: default units]); a unit's lifecycle, its modules' hooks included, is in unit.py. This file
+keeps what spans units: the order the model runs them in, prefetch, the root unit, the passes and
+the order guard, and the flat groups themselves (see [Note: one owner of the flat groups]).
 
 [Note: when units are gathered]
 - forward: a unit's module gathers it in a pre-forward hook. The unit is released after the forward
@@ -52,12 +53,10 @@ See [Note: init-time sharding] in materialize.py for a model built on the meta d
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ..config import ZeroConfig
 from .collectives import Collectives
@@ -67,7 +66,7 @@ from .materialize import materialize_meta
 from .order_guard import BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE, OrderGuard
 from .pool import BufferPool
 from .saved_weights import SavedWeights
-from .unit import Unit, UnitState
+from .unit import Unit, UnitState, in_backward
 from .unit_plan import UnitPlan, plan_units
 
 
@@ -83,11 +82,6 @@ def split_groups(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, in
 def _eager(hook):
     """``hook`` run by Python even inside ``torch.compile``: see [Note: compiled modules]."""
     return torch._dynamo.disable(hook, recursive=True)
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (recomputation runs forwards there)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def shard_module(module: nn.Module, config: ZeroConfig, comm: Optional[Collectives] = None,
@@ -166,13 +160,11 @@ class ParameterSharder:
         self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
         self._prev_of: dict[Unit, Unit] = {}
         self._last: Optional[Unit] = None  # the unit entered last in this forward pass
-        # (unit, module) of each module forward whose pre-hook completed and whose post-hook has not
-        # run: the post-hook runs even when the pre-hook raised (always_call), and must then undo nothing
-        self._entered: list[tuple[Unit, nn.Module]] = []
         self._nesting: dict[tuple[int, int], bool] = {}  # see _nested
         self._root_held_for_step = False
         self._in_pass = False  # between _begin_pass and _end_pass
-        self._reduced: set[int] = set()  # ids of groups whose gradients were handed over in this backward
+        for unit in self.all_units:
+            unit.schedule = self
         self.weight_quantization = config.weight_quantization  # see [Note: quantized gathers] in flat.py
         size = config.secondary_partition_size if config.stage == 3 else None  # see [Note: secondary partition]
         self.secondary = comm.within_node(size, "secondary_partition_size") if size is not None else None
@@ -183,8 +175,8 @@ class ParameterSharder:
             assert self.module is not None
             for unit in self.units:
                 for mod in unit.modules:
-                    self._handles.append(mod.register_forward_pre_hook(_eager(functools.partial(self._pre_forward, unit))))
-                    self._handles.append(mod.register_forward_hook(_eager(functools.partial(self._post_forward, unit)),
+                    self._handles.append(mod.register_forward_pre_hook(_eager(unit.pre_forward)))
+                    self._handles.append(mod.register_forward_hook(_eager(unit.post_forward),
                                                                    always_call=True))  # pops the saved-tensor hooks
             self._handles.append(self.module.register_forward_pre_hook(_eager(self._pre_forward_root)))
             self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root), always_call=True))
@@ -317,78 +309,45 @@ class ParameterSharder:
         if self.root.users == 0:
             self._end_pass()
 
-    # ---- hooks -----------------------------------------------------------------------------
+    # ---- the hooks: the root's here, the units' in unit.py -----------------------------------
 
     def _pre_forward_root(self, module: nn.Module, args) -> None:
-        if self.root.users == 0 and not _in_backward():
+        if self.root.users == 0 and not in_backward():
             self._begin_pass()
-        self.gather(self.root, RECOMPUTE if _in_backward() else FORWARD)
-        self.root.users += 1
-        self._entered.append((self.root, module))
+        self.gather(self.root, RECOMPUTE if in_backward() else FORWARD)
+        self.root.enter(module)
 
     def _post_forward_root(self, module: nn.Module, args, output) -> None:
-        if not self._exit(self.root, module):
-            return
-        self.root.users -= 1
-        if _in_backward() or self.root.users:
+        if not self.root.leave(module) or in_backward() or self.root.users:
             return
         if torch.is_grad_enabled():
-            self._hook_backward(self.root, output)
+            self.root.hook_backward(output)
             if not self._root_held_for_step:  # see [Note: when units are gathered]
                 self.root.hold()
                 self._root_held_for_step = True
         else:  # an evaluation pass ended: nothing stays gathered for a backward
             self._end_pass()
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
-        if _in_backward():  # a recomputation: see [Note: when units are gathered]
-            self.gather(unit, RECOMPUTE)
-        else:
-            previous = self._last
-            if previous is not None and previous is not unit:
-                self._next_of[previous] = unit
-                self._prev_of[unit] = previous
-                previous.release()  # done with, unless a forward of its own is still running (nesting)
-            self._last = unit
-            self.gather(unit, FORWARD, context=previous)
-            self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
-        unit.users += 1
-        self.saved_weights.push()  # see [Note: saved weights] in saved_weights.py
-        self._entered.append((unit, module))
+    def entering(self, unit: Unit) -> None:
+        """A forward of ``unit`` begins (not a recomputation): the order, its gather and the next one's."""
+        previous = self._last
+        if previous is not None and previous is not unit:
+            self._next_of[previous] = unit
+            self._prev_of[unit] = previous
+            previous.release()  # done with, unless a forward of its own is still running (nesting)
+        self._last = unit
+        self.gather(unit, FORWARD, context=previous)
+        self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
 
-    def _exit(self, unit: Unit, module: nn.Module) -> bool:
-        """A module's forward ended (its post-hook runs even when it raised: always_call): whether
-        its pre-hook had completed, so that there is something to undo."""
-        if not self._entered or self._entered[-1][0] is not unit or self._entered[-1][1] is not module:
-            return False  # its pre-hook raised (a failed gather, the order guard)
-        self._entered.pop()
-        return True
-
-    def _post_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
-        if not self._exit(unit, module):
+    def backward_reached(self, unit: Unit) -> None:
+        """Backward gathered ``unit``: the unit after it in forward may go (frozen parameters: see [Note:
+        when units are gathered]), and the one before it is prefetched."""
+        if unit is self.root:
             return
-        self.saved_weights.pop()
-        unit.users -= 1
-        if _in_backward():
-            return  # a recomputation: see [Note: when units are gathered]
-        if torch.is_grad_enabled():
-            self._hook_backward(unit, output)
-        if module is unit.modules[-1]:
-            unit.release()
-
-    def _hook_backward(self, unit: Unit, output) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit),
-                                                          mode="any")
-
-    def _pre_backward(self, unit: Unit, grad) -> None:
-        self.gather(unit, BACKWARD)
-        if unit is not self.root:
-            after = self._next_of.get(unit)  # see [Note: when units are gathered], frozen parameters
-            if after is not None and after.has_frozen and not self._nested(after, unit) and after.release():
-                after.drop_secondary()
-            self._prefetch(self._prev_of.get(unit), PREFETCH_BACKWARD, unit)
+        after = self._next_of.get(unit)
+        if after is not None and after.has_frozen and not self._nested(after, unit) and after.release():
+            after.drop_secondary()
+        self._prefetch(self._prev_of.get(unit), PREFETCH_BACKWARD, unit)
 
     def _nested(self, inner: Unit, outer: Unit) -> bool:
         """Whether one of ``inner``'s modules lies inside one of ``outer``'s (whose outputs may then
@@ -414,24 +373,21 @@ class ParameterSharder:
         self._in_pass = False
         self._last = None
         for unit in self.all_units:
-            unit.release()
-            unit.drop_secondary()
+            unit.end_pass()
         self.pool.end_pass()
         self.guard.flush()
 
     # ---- called by the gradient reducer ----------------------------------------------------
 
     def gradients_handed_over(self, group: FlatGroup) -> None:
-        """Backward has produced all of ``group``'s gradients: its unit goes once all its groups did."""
-        self._reduced.add(id(group))
+        """Backward has produced all of ``group``'s gradients: its unit's post-backward."""
         unit = self._unit_of_group.get(id(group))
-        if unit is not None and unit is not self.root and not unit.has_frozen:
-            if all(id(g) in self._reduced for g in unit.groups):
-                unit.release()
-                unit.drop_secondary()  # backward is done with it
+        if unit is not None:
+            unit.post_backward(group)
 
     def backward_finished(self) -> None:
-        self._reduced.clear()
+        for unit in self.all_units:
+            unit.backward_ended()
         self.release_root()  # ends the pass
 
     def held_tensors(self) -> list[torch.Tensor]:
