@@ -31,7 +31,7 @@ from .layout import Piece
 from .offload import HOST
 from .optimizer_checks import (ELEMENTWISE_OPTIMIZERS, check_optimizer_supported, check_parameters, check_same_config,
                                constructor_kwargs)
-from .parameters import ParameterSharder
+from .parameters import FlatParameters
 from .scaler import LossScaler
 from .state import consolidate_state, shard_state
 from .step_backend import StepBackend, Stepped
@@ -89,7 +89,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[ZeroConfig] = None,
-                 comm: Optional[Collectives] = None, sharder: Optional[ParameterSharder] = None,
+                 comm: Optional[Collectives] = None, sharder: Optional[FlatParameters] = None,
                  scaler: Optional[LossScaler] = None) -> None:
         config = config or (sharder.config if sharder is not None else ZeroConfig())
         check_optimizer_supported(optimizer, config)
@@ -100,7 +100,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  "sharder = shard_module(model, config) first and pass ZeroOptimizer(..., "
                                  "sharder=sharder).")
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            sharder = ParameterSharder(params, config, comm or Collectives(collective_timeout=config.collective_timeout))
+            sharder = FlatParameters(params, config, comm or Collectives(collective_timeout=config.collective_timeout))
         check_same_config(config, sharder.config)
         self.config = config
         self.optim = optimizer

@@ -42,7 +42,7 @@ runs eagerly. benchmarks/compile_breaks.py counts the ops a forward runs compile
 stage 3, 344 of 565 at the default limit, 560 with the limit at 64 (raise it for deep models).
 
 [Note: one owner of the flat groups]
-ParameterSharder builds every flat group of a model, at every stage (all resident at stages 1 and
+FlatParameters (the sharder) builds every flat group of a model, at every stage (all resident at stages 1 and
 2); a ZeroOptimizer only maps the pieces of the groups holding its parameters (``groups_of``) to its
 param groups, and checkpoints, memory accounting and gathered_parameters read the same groups. A
 plain loop's ZeroOptimizer without a sharder builds one over its own parameters (stages 1-2).
@@ -86,19 +86,20 @@ def _eager(hook):
 
 def shard_module(module: nn.Module, config: ZeroConfig, comm: Optional[Collectives] = None,
                  device: Optional[torch.device] = None,
-                 optimizers: Sequence[torch.optim.Optimizer] = ()) -> "ParameterSharder":
+                 optimizers: Sequence[torch.optim.Optimizer] = ()) -> "FlatParameters":
     """Shard ``module``'s parameters as ``config`` (a ZeroConfig with stage=3) says.
 
     Rank 0's values are broadcast unit by unit before sharding. Parameters on the meta device are
     materialised on ``device`` one unit at a time (see [Note: init-time sharding]). Pass the
     ``optimizers`` that will step the module when there are several, created before sharding.
     """
-    return ParameterSharder(module, config, comm or Collectives(collective_timeout=config.collective_timeout),
+    return FlatParameters(module, config, comm or Collectives(collective_timeout=config.collective_timeout),
                             device, optimizers)
 
 
-class ParameterSharder:
-    """The one owner of a model's flat groups, at every stage (see [Note: one owner of the flat groups]).
+class FlatParameters:
+    """A model's parameters as flat groups, and the one owner of those groups, at every stage (see
+    [Note: one owner of the flat groups]); "the sharder" in the code, though it shards only at stage 3.
 
     At stages 1 and 2 every trainable parameter goes into a resident group, whole on every rank,
     cut into bucket-sized segments; frozen ones stay as they are. At stage 3 the parameters are
@@ -475,6 +476,9 @@ class ParameterSharder:
         self._handles.clear()
 
 
+ParameterSharder = FlatParameters  # its name before issue 28, which other modules still import
+
+
 @contextlib.contextmanager
 def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
                         modifier_rank: Optional[int] = None) -> Iterator[None]:
@@ -502,7 +506,7 @@ def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
             u.unhold()
 
 
-def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple["ParameterSharder", Unit]]) -> None:
+def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple[FlatParameters, Unit]]) -> None:
     """Rank ``rank``'s values of ``params`` on every rank, kept in the shards of the gathered ``units``."""
     what = f"broadcast of gathered_parameters' edits from rank {rank}"
     with torch.no_grad():
