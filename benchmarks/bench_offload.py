@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroOptimizer
+from zero_strategy.engine.step_disk import DiskStep
 
 
 def gpt2_like_sizes(target: int) -> list[int]:
@@ -110,7 +111,7 @@ def host_step(params_millions: float, steps: int) -> dict[str, Any]:
 
 
 def _drop_cache(opt: ZeroOptimizer) -> None:
-    for fd, _ in opt._disk.disk.files.values():  # type: ignore[union-attr]
+    for fd, _ in opt.step_backend.disk.files.values():  # type: ignore[attr-defined]
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
@@ -131,7 +132,7 @@ def disk_step(params_millions: float, steps: int, tile_mb: float, folder: str, d
     def stepper(opt: ZeroOptimizer) -> Callable[[], None]:
         def step() -> None:
             opt.step()
-            if drop_cache and opt._disk is not None:
+            if drop_cache and isinstance(opt.step_backend, DiskStep):
                 _drop_cache(opt)
         return step
 

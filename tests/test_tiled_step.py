@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from zero_strategy.engine import ELEMENTWISE_OPTIMIZERS
+from zero_strategy.engine.step_torch import TorchStep
 from zero_strategy.engine.tiled_step import TiledStep, plan_tiles
 
 SETTINGS = {  # options that give each optimizer its largest state (and a second group's differ)
@@ -87,9 +88,9 @@ def test_step_hooks_fire_as_in_the_untiled_step():
         torch.manual_seed(0)
         model = torch.nn.Linear(1000, 1000)  # a million weights: eight tiles
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), ZeroConfig(stage=1))
-        assert opt._tiled is not None and len(opt._tiled.tiles) == 8
+        assert len(opt.step_backend.tiled.tiles) == 8
         if not tiled:
-            opt._tiled = None
+            opt.step_backend = TorchStep(opt.step_backend.stepped, opt.config, None)
         calls = []
         who = lambda o: "engine" if o is opt else "inner" if o is opt.inner else "another"  # noqa: E731
         handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global pre", who(o)))),
@@ -145,7 +146,7 @@ def test_a_subclass_steps_whole_as_torch_does():
     reference.load_state_dict(model.state_dict())
     opt = ZeroOptimizer(CountingAdam(model.parameters()), ZeroConfig(stage=1))
     plain = CountingAdam(reference.parameters())
-    assert opt._tiled is None
+    assert type(opt.step_backend) is TorchStep
     for _ in range(3):
         x = torch.randn(2, 1000)
         for m, o in ((model, opt), (reference, plain)):
@@ -160,7 +161,7 @@ def test_a_subclass_steps_whole_as_torch_does():
 def test_the_engines_tiled_step_equals_its_whole_step(cls):
     """Through ZeroOptimizer (one process): two param groups, an LR scheduler, clipping, and a layer
     without gradients at one step; the tiled engine and the same engine stepping whole
-    (``_tiled=None``) stay bit for bit equal, parameters and state dict."""
+    (the engine's ``TorchStep``) stay bit for bit equal, parameters and state dict."""
     from zero_strategy import ZeroConfig, ZeroOptimizer
 
     def run(tiled: bool) -> tuple[list[torch.Tensor], dict]:
@@ -169,9 +170,9 @@ def test_the_engines_tiled_step_equals_its_whole_step(cls):
         stateless = {"momentum": 0.0, "nesterov": False} if cls is torch.optim.SGD else {}  # no state: no entry
         groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.05, **stateless}]
         opt = ZeroOptimizer(cls(groups, **{**SETTINGS[cls], "lr": 0.01}), ZeroConfig(stage=1))
-        assert opt._tiled is not None and len(opt._tiled.tiles) == 5
+        assert len(opt.step_backend.tiled.tiles) == 5
         if not tiled:
-            opt._tiled = None
+            opt.step_backend = TorchStep(opt.step_backend.stepped, opt.config, None)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         for step in range(4):
             x = torch.randn(3, 700, generator=torch.Generator().manual_seed(step))

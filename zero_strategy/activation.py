@@ -111,6 +111,45 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             super().__exit__(*exc)
 
 
+_OFFLOAD_HANDLES = "_zero_activation_offload"  # on a module whose forward offloads: its hook handles
+
+
+def offload_activations_in_forward(module: nn.Module) -> None:
+    """Enter ``offload_activations`` around every call of ``module`` (its forward and the hooks in it).
+
+    [Note: activation offload in every front end]
+    ``offload_activations=True`` must not depend on the front end's own step wrapper (the Trainer's
+    ``training_step``, ``initialize``'s ``forward``): Fabric has none, and the setting was accepted
+    there and never entered. So the engine's setup puts these hooks on the module itself. The
+    pre-hook goes first and the post-hook (which runs even when the forward raised) is added after
+    the stage-3 sharder's: saved-tensor hooks are a stack, and the units' own (see [Note: saved
+    weights] in engine/saved_weights.py) must be pushed inside ours and popped before. A front end's
+    wrapper around a larger region stays outside and takes what is saved beyond the forward (a loss).
+    Applying again changes nothing; ``remove_activation_offload`` undoes it.
+    """
+    if _OFFLOAD_HANDLES in module.__dict__:
+        return
+    entered: list[offload_activations] = []  # a stack: the module may be called inside its own forward
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        entered.append(offload_activations())
+        entered[-1].__enter__()
+
+    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    module.__dict__[_OFFLOAD_HANDLES] = (
+        module.register_forward_pre_hook(torch._dynamo.disable(enter), prepend=True),
+        module.register_forward_hook(torch._dynamo.disable(leave), always_call=True))
+
+
+def remove_activation_offload(module: nn.Module) -> None:
+    """Undo ``offload_activations_in_forward``."""
+    for handle in module.__dict__.pop(_OFFLOAD_HANDLES, ()):
+        handle.remove()
+
+
 # ---- measuring what is saved ------------------------------------------------------------------
 
 

@@ -364,8 +364,7 @@ def load_model(reader: CheckpointReader, saved: dict[str, Any], module: nn.Modul
             source = source_of.get(g.params[piece.param])
             if source is not None:
                 g.weights(piece).copy_(reader.read(source, piece.param_start, piece.param_end))
-        if g.buffer is not None:  # a gathered copy no longer matches the shard
-            g.release()
+        g.shard_written()  # a gathered copy no longer matches: its unit gathers it again
     for key, value in saved.get("model_extra_state", {}).items():
         _set_extra_state(module, key, value)
     load_masters(reader, saved, module, groups)

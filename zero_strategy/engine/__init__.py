@@ -8,8 +8,8 @@ Usable on its own in a torch.distributed loop::
 
 from .collectives import Collectives
 from .optimizer import ELEMENTWISE_OPTIMIZERS, ZeroOptimizer, check_optimizer_supported
-from .parameters import ParameterSharder, shard_module
+from .parameters import FlatParameters, ParameterSharder, shard_module
 from .scaler import LossScaler
 
-__all__ = ["Collectives", "ELEMENTWISE_OPTIMIZERS", "LossScaler", "ParameterSharder", "ZeroOptimizer", "check_optimizer_supported",
+__all__ = ["Collectives", "ELEMENTWISE_OPTIMIZERS", "FlatParameters", "LossScaler", "ParameterSharder", "ZeroOptimizer", "check_optimizer_supported",
            "shard_module"]

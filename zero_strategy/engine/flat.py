@@ -179,6 +179,10 @@ class FlatGroup:
 
     # ---- after a step ----------------------------------------------------------------------
 
+    def shard_written(self) -> None:
+        """This rank's slices were written (a step, a load). A resident group's buffer is where they
+        live, so nothing is stale; a sharded group's gathered copy is."""
+
     def write_back(self) -> None:
         """Round the masters into this rank's working weights (nothing when they are their own)."""
         raise NotImplementedError
@@ -262,6 +266,7 @@ class ShardedGroup(FlatGroup):
         self.secondary: dict[int, torch.Tensor] = {}  # segment index -> part: see [Note: secondary partition]
         self.secondary_spec: Optional[QuantSpec] = None  # how the secondary parts are stored
         self.quantized = False  # the full buffer holds dequantized weights: see [Note: quantized gathers]
+        self.stale = False  # the shard changed since the gather: see [Note: one record of a unit's gather] in unit.py
         self._make_master(own, self.shard)
         self.release()
 
@@ -286,9 +291,10 @@ class ShardedGroup(FlatGroup):
         ``quantize``: block-quantized (see [Note: quantized gathers]); ``keep_secondary``: also keep
         this rank's part over that group once gathered (see [Note: secondary partition]).
         """
-        if self.buffer is not None:
+        if self.buffer is not None and not self.stale:
             return []
-        buffer = self._allocate()
+        buffer = self.buffer if self.buffer is not None else self._allocate()  # a stale one: gathered again in place
+        self.stale = False
         self.quantized = quantize is not None
         if keep_secondary is not None:
             self.secondary, self.secondary_spec = {}, quantize
@@ -351,17 +357,23 @@ class ShardedGroup(FlatGroup):
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
+        self.stale = False
         if self.buffer is not None:
             buffer, self.buffer = self.buffer, None
             self.pool.give(buffer)
 
+    def shard_written(self) -> None:
+        """The shard was written (a step, a load): a gathered copy, and the secondary parts cut from it,
+        no longer match. The unit gathers it again (see [Note: one record of a unit's gather] in unit.py)."""
+        self.stale = self.buffer is not None
+        self.drop_secondary()
+
     def write_back(self) -> None:
-        """Round the master into the shard; a gathered copy no longer matches it, and is released."""
+        """Round the master into the shard."""
         if self.has_master_copy:
             assert self.master_shard is not None
             self.shard.copy_(self.master_shard)
-        if self.buffer is not None:
-            self.release()
+        self.shard_written()
 
     def commit_gathered(self) -> None:
         """Keep this rank's slices of the gathered (edited or loaded) full buffer: into the shard, and

@@ -234,13 +234,14 @@ class ShardedGradientReducer(GradientReducer):
     """Stages 2 and 3: a hook copies each gradient into its segment's staging buffer and frees it;
     complete segments are reduced asynchronously into a gradient shard while backward goes on, and
     only that shard outlives the backward pass. ``listener`` (stage 3's sharder) is told when a
-    group's gradients are all in and when backward ends."""
+    group's gradients are all in and when backward ends; ``host_listener`` (the overlapped step's)
+    when a segment's gradient is in its host shard (see overlap.py)."""
 
     def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
-                 host_dtypes: Optional[Sequence[torch.dtype]] = None, listener=None) -> None:
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None, listener=None, host_listener=None) -> None:
         super().__init__(groups, comm, position, host_dtypes)
         self.listener = listener
-        self.host_listener = None  # told when a segment's gradient is in its host shard: see overlap.py
+        self.host_listener = host_listener
         self._rank_in_order = {key: n for n, key in enumerate(self.order)}
         self.grad_shards = [h if h is not None else torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=g.device)
                             for g, h in zip(self.groups, self.host_grads)]
@@ -368,9 +369,11 @@ class ShardedGradientReducer(GradientReducer):
 
 def make_reducer(groups: Sequence[FlatGroup], stage: int, comm: Collectives,
                  position: Mapping[torch.nn.Parameter, int], listener=None,
-                 host_dtypes: Optional[Sequence[torch.dtype]] = None) -> GradientReducer:
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None, host_listener=None) -> GradientReducer:
     """Stage 1's reducer (full gradients, reduced before the step) or stages 2-3's (sharded, during
-    backward; at stage 3 unit by unit, telling ``listener`` the sharder)."""
+    backward; at stage 3 unit by unit, telling ``listener`` the sharder; ``host_listener``: see
+    ShardedGradientReducer)."""
     if stage == 1:
+        assert host_listener is None, "stage 1 reduces gradients only at the step"
         return FullGradientReducer(groups, comm, position, host_dtypes)
-    return ShardedGradientReducer(groups, comm, position, host_dtypes, listener)
+    return ShardedGradientReducer(groups, comm, position, host_dtypes, listener, host_listener)

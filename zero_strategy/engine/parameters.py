@@ -1,8 +1,9 @@
 """Stage 3: parameters live as shards; a unit is gathered just before it runs and released after.
 
 Which parameters form which unit is planned in unit_plan.py (see [Note: units] and
-[Note: default units]); a unit's own lifecycle is in unit.py. This file decides when: from the
-modules' hooks, in the order the model runs them, with prefetch and the order guard.
+[Note: default units]); a unit's lifecycle, its modules' hooks included, is in unit.py. This file
+keeps what spans units: the order the model runs them in, prefetch, the root unit, the passes and
+the order guard, and the flat groups themselves (see [Note: one owner of the flat groups]).
 
 [Note: when units are gathered]
 - forward: a unit's module gathers it in a pre-forward hook. The unit is released after the forward
@@ -41,7 +42,7 @@ runs eagerly. benchmarks/compile_breaks.py counts the ops a forward runs compile
 stage 3, 344 of 565 at the default limit, 560 with the limit at 64 (raise it for deep models).
 
 [Note: one owner of the flat groups]
-ParameterSharder builds every flat group of a model, at every stage (all resident at stages 1 and
+FlatParameters (the sharder) builds every flat group of a model, at every stage (all resident at stages 1 and
 2); a ZeroOptimizer only maps the pieces of the groups holding its parameters (``groups_of``) to its
 param groups, and checkpoints, memory accounting and gathered_parameters read the same groups. A
 plain loop's ZeroOptimizer without a sharder builds one over its own parameters (stages 1-2).
@@ -52,12 +53,10 @@ See [Note: init-time sharding] in materialize.py for a model built on the meta d
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ..config import ZeroConfig
 from .collectives import Collectives
@@ -67,7 +66,7 @@ from .materialize import materialize_meta
 from .order_guard import BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE, OrderGuard
 from .pool import BufferPool
 from .saved_weights import SavedWeights
-from .unit import Unit, UnitState
+from .unit import Unit, UnitState, in_backward
 from .unit_plan import UnitPlan, plan_units
 
 
@@ -85,26 +84,22 @@ def _eager(hook):
     return torch._dynamo.disable(hook, recursive=True)
 
 
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (recomputation runs forwards there)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def shard_module(module: nn.Module, config: ZeroConfig, comm: Optional[Collectives] = None,
                  device: Optional[torch.device] = None,
-                 optimizers: Sequence[torch.optim.Optimizer] = ()) -> "ParameterSharder":
+                 optimizers: Sequence[torch.optim.Optimizer] = ()) -> "FlatParameters":
     """Shard ``module``'s parameters as ``config`` (a ZeroConfig with stage=3) says.
 
     Rank 0's values are broadcast unit by unit before sharding. Parameters on the meta device are
     materialised on ``device`` one unit at a time (see [Note: init-time sharding]). Pass the
     ``optimizers`` that will step the module when there are several, created before sharding.
     """
-    return ParameterSharder(module, config, comm or Collectives(collective_timeout=config.collective_timeout),
+    return FlatParameters(module, config, comm or Collectives(collective_timeout=config.collective_timeout),
                             device, optimizers)
 
 
-class ParameterSharder:
-    """The one owner of a model's flat groups, at every stage (see [Note: one owner of the flat groups]).
+class FlatParameters:
+    """A model's parameters as flat groups, and the one owner of those groups, at every stage (see
+    [Note: one owner of the flat groups]); "the sharder" in the code, though it shards only at stage 3.
 
     At stages 1 and 2 every trainable parameter goes into a resident group, whole on every rank,
     cut into bucket-sized segments; frozen ones stay as they are. At stage 3 the parameters are
@@ -166,13 +161,11 @@ class ParameterSharder:
         self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
         self._prev_of: dict[Unit, Unit] = {}
         self._last: Optional[Unit] = None  # the unit entered last in this forward pass
-        # (unit, module) of each module forward whose pre-hook completed and whose post-hook has not
-        # run: the post-hook runs even when the pre-hook raised (always_call), and must then undo nothing
-        self._entered: list[tuple[Unit, nn.Module]] = []
         self._nesting: dict[tuple[int, int], bool] = {}  # see _nested
         self._root_held_for_step = False
         self._in_pass = False  # between _begin_pass and _end_pass
-        self._reduced: set[int] = set()  # ids of groups whose gradients were handed over in this backward
+        for unit in self.all_units:
+            unit.schedule = self
         self.weight_quantization = config.weight_quantization  # see [Note: quantized gathers] in flat.py
         size = config.secondary_partition_size if config.stage == 3 else None  # see [Note: secondary partition]
         self.secondary = comm.within_node(size, "secondary_partition_size") if size is not None else None
@@ -183,8 +176,8 @@ class ParameterSharder:
             assert self.module is not None
             for unit in self.units:
                 for mod in unit.modules:
-                    self._handles.append(mod.register_forward_pre_hook(_eager(functools.partial(self._pre_forward, unit))))
-                    self._handles.append(mod.register_forward_hook(_eager(functools.partial(self._post_forward, unit)),
+                    self._handles.append(mod.register_forward_pre_hook(_eager(unit.pre_forward)))
+                    self._handles.append(mod.register_forward_hook(_eager(unit.post_forward),
                                                                    always_call=True))  # pops the saved-tensor hooks
             self._handles.append(self.module.register_forward_pre_hook(_eager(self._pre_forward_root)))
             self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root), always_call=True))
@@ -274,7 +267,7 @@ class ParameterSharder:
         its secondary parts is gathered from them, within its secondary group; any other the way
         forward gathers it (and without keeping anything).
         """
-        if unit.state is UnitState.RELEASED:
+        if unit.needs_gather:
             self.guard.check(unit.index, phase, context.index if context is not None else -1)
             backward = phase in (BACKWARD, PREFETCH_BACKWARD, RECOMPUTE)
             if backward and self.secondary is not None and unit.has_secondary:
@@ -288,6 +281,18 @@ class ParameterSharder:
                             None if phase == OUTSIDE else self.weight_quantization, keep)
         if wait:
             unit.wait()
+
+    def shards_written(self, groups: Iterable[FlatGroup]) -> None:
+        """``groups``' shards were written by a step (a collective point): their gathered copies are
+        stale, and the units holding them gather again now, exactly (see [Note: one record of a
+        unit's gather] in unit.py)."""
+        written = {id(g) for g in groups}
+        for g in self.groups:
+            if id(g) in written:
+                g.shard_written()
+        for unit in self.all_units:
+            if unit.stale:
+                self.gather(unit)
 
     def hold_root(self) -> None:
         """Gather the root unit and keep it until backward ends (or ``release_root``): a training,
@@ -305,78 +310,45 @@ class ParameterSharder:
         if self.root.users == 0:
             self._end_pass()
 
-    # ---- hooks -----------------------------------------------------------------------------
+    # ---- the hooks: the root's here, the units' in unit.py -----------------------------------
 
     def _pre_forward_root(self, module: nn.Module, args) -> None:
-        if self.root.users == 0 and not _in_backward():
+        if self.root.users == 0 and not in_backward():
             self._begin_pass()
-        self.gather(self.root, RECOMPUTE if _in_backward() else FORWARD)
-        self.root.users += 1
-        self._entered.append((self.root, module))
+        self.gather(self.root, RECOMPUTE if in_backward() else FORWARD)
+        self.root.enter(module)
 
     def _post_forward_root(self, module: nn.Module, args, output) -> None:
-        if not self._exit(self.root, module):
-            return
-        self.root.users -= 1
-        if _in_backward() or self.root.users:
+        if not self.root.leave(module) or in_backward() or self.root.users:
             return
         if torch.is_grad_enabled():
-            self._hook_backward(self.root, output)
+            self.root.hook_backward(output)
             if not self._root_held_for_step:  # see [Note: when units are gathered]
                 self.root.hold()
                 self._root_held_for_step = True
         else:  # an evaluation pass ended: nothing stays gathered for a backward
             self._end_pass()
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args) -> None:
-        if _in_backward():  # a recomputation: see [Note: when units are gathered]
-            self.gather(unit, RECOMPUTE)
-        else:
-            previous = self._last
-            if previous is not None and previous is not unit:
-                self._next_of[previous] = unit
-                self._prev_of[unit] = previous
-                previous.release()  # done with, unless a forward of its own is still running (nesting)
-            self._last = unit
-            self.gather(unit, FORWARD, context=previous)
-            self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
-        unit.users += 1
-        self.saved_weights.push()  # see [Note: saved weights] in saved_weights.py
-        self._entered.append((unit, module))
+    def entering(self, unit: Unit) -> None:
+        """A forward of ``unit`` begins (not a recomputation): the order, its gather and the next one's."""
+        previous = self._last
+        if previous is not None and previous is not unit:
+            self._next_of[previous] = unit
+            self._prev_of[unit] = previous
+            previous.release()  # done with, unless a forward of its own is still running (nesting)
+        self._last = unit
+        self.gather(unit, FORWARD, context=previous)
+        self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
 
-    def _exit(self, unit: Unit, module: nn.Module) -> bool:
-        """A module's forward ended (its post-hook runs even when it raised: always_call): whether
-        its pre-hook had completed, so that there is something to undo."""
-        if not self._entered or self._entered[-1][0] is not unit or self._entered[-1][1] is not module:
-            return False  # its pre-hook raised (a failed gather, the order guard)
-        self._entered.pop()
-        return True
-
-    def _post_forward(self, unit: Unit, module: nn.Module, args, output) -> None:
-        if not self._exit(unit, module):
+    def backward_reached(self, unit: Unit) -> None:
+        """Backward gathered ``unit``: the unit after it in forward may go (frozen parameters: see [Note:
+        when units are gathered]), and the one before it is prefetched."""
+        if unit is self.root:
             return
-        self.saved_weights.pop()
-        unit.users -= 1
-        if _in_backward():
-            return  # a recomputation: see [Note: when units are gathered]
-        if torch.is_grad_enabled():
-            self._hook_backward(unit, output)
-        if module is unit.modules[-1]:
-            unit.release()
-
-    def _hook_backward(self, unit: Unit, output) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, unit),
-                                                          mode="any")
-
-    def _pre_backward(self, unit: Unit, grad) -> None:
-        self.gather(unit, BACKWARD)
-        if unit is not self.root:
-            after = self._next_of.get(unit)  # see [Note: when units are gathered], frozen parameters
-            if after is not None and after.has_frozen and not self._nested(after, unit) and after.release():
-                after.drop_secondary()
-            self._prefetch(self._prev_of.get(unit), PREFETCH_BACKWARD, unit)
+        after = self._next_of.get(unit)
+        if after is not None and after.has_frozen and not self._nested(after, unit) and after.release():
+            after.drop_secondary()
+        self._prefetch(self._prev_of.get(unit), PREFETCH_BACKWARD, unit)
 
     def _nested(self, inner: Unit, outer: Unit) -> bool:
         """Whether one of ``inner``'s modules lies inside one of ``outer``'s (whose outputs may then
@@ -402,24 +374,21 @@ class ParameterSharder:
         self._in_pass = False
         self._last = None
         for unit in self.all_units:
-            unit.release()
-            unit.drop_secondary()
+            unit.end_pass()
         self.pool.end_pass()
         self.guard.flush()
 
     # ---- called by the gradient reducer ----------------------------------------------------
 
     def gradients_handed_over(self, group: FlatGroup) -> None:
-        """Backward has produced all of ``group``'s gradients: its unit goes once all its groups did."""
-        self._reduced.add(id(group))
+        """Backward has produced all of ``group``'s gradients: its unit's post-backward."""
         unit = self._unit_of_group.get(id(group))
-        if unit is not None and unit is not self.root and not unit.has_frozen:
-            if all(id(g) in self._reduced for g in unit.groups):
-                unit.release()
-                unit.drop_secondary()  # backward is done with it
+        if unit is not None:
+            unit.post_backward(group)
 
     def backward_finished(self) -> None:
-        self._reduced.clear()
+        for unit in self.all_units:
+            unit.backward_ended()
         self.release_root()  # ends the pass
 
     def held_tensors(self) -> list[torch.Tensor]:
@@ -507,6 +476,9 @@ class ParameterSharder:
         self._handles.clear()
 
 
+ParameterSharder = FlatParameters  # its name before issue 28, which other modules still import
+
+
 @contextlib.contextmanager
 def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
                         modifier_rank: Optional[int] = None) -> Iterator[None]:
@@ -534,11 +506,12 @@ def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
             u.unhold()
 
 
-def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple["ParameterSharder", Unit]]) -> None:
+def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple[FlatParameters, Unit]]) -> None:
     """Rank ``rank``'s values of ``params`` on every rank, kept in the shards of the gathered ``units``."""
     what = f"broadcast of gathered_parameters' edits from rank {rank}"
     with torch.no_grad():
         for sharder, u in units:
+            sharder.gather(u)  # a load inside the block left it stale: the loaded values are the ones to keep
             for g in u.groups:
                 assert g.buffer is not None
                 sharder.comm.broadcast(g.buffer, src=rank, what=lambda: what)

@@ -20,7 +20,10 @@ ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
    groups of the trainable parameters; stage 3 broadcasts the buffers and ``shard_module``
    broadcasts and shards the parameters unit by unit. The optimizers are passed, so each gets flat
    groups of its own (see [Note: one owner of the flat groups]).
-6. each optimizer re-created over this rank's pieces (``ZeroOptimizer``), with the loss scaler.
+6. activation offload (``offload_activations``): hooks on the module enter it around each forward,
+   for every front end (see [Note: activation offload in every front end]); after step 5, so that
+   they enclose the stage-3 sharder's.
+7. each optimizer re-created over this rank's pieces (``ZeroOptimizer``), with the loss scaler.
    ``add_optimizers`` is this step alone, for front ends that get optimizers after the module
    (Fabric's ``setup_module`` then ``setup_optimizers``): at stage 3 they map onto the units' groups
    (which were split by no optimizer, so one optimizer must step each group whole); at stages 1-2
@@ -40,7 +43,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..activation import apply_activation_checkpointing
+from ..activation import apply_activation_checkpointing, offload_activations_in_forward, remove_activation_offload
 from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.sharded import flat_groups
 from ..config import ZeroConfig
@@ -93,6 +96,7 @@ class EngineModel:
             opt.remove_hooks()
         if self.sharder is not None:
             self.sharder.remove_hooks()
+        remove_activation_offload(self.module)
 
 
 def engine_config(config: ZeroConfig, precision: WorkingPrecision) -> ZeroConfig:
@@ -151,7 +155,9 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
         sync_module(module, comm, config.stage)
         if config.stage == 3 or built:
             model.sharder = shard_module(module, config, comm, device, built)
-    return add_optimizers(model, built)  # 6
+    if config.offload_activations:  # 6
+        offload_activations_in_forward(module)
+    return add_optimizers(model, built)  # 7
 
 
 def add_optimizers(model: EngineModel, optimizers: Sequence[torch.optim.Optimizer],

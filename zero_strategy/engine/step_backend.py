@@ -1,0 +1,147 @@
+"""How a ZeroOptimizer's update runs: the interface of its step backends, and what they step.
+
+[Note: step backends]
+The update of a rank's pieces runs in one of six ways, one class each, in a file of its own,
+chosen once when the ZeroOptimizer is built (``choose_step_backend`` in optimizer.py):
+
+- ``TorchStep`` (step_torch.py): the inner optimizer's own step on the pieces' device;
+- ``CpuTilesStep`` (step_cpu_tiles.py): the same on CPU, tile by tile (see [Note: the CPU step in
+  tiles] in tiled_step.py);
+- ``FusedStep`` (step_fused.py): where the CUDA kernels run, the update fused with the unscaling,
+  the clipping and the write-back (see [Note: the fused mixed-precision step] in step_grads.py);
+  what the kernels do not take over steps as one of the two above;
+- ``HostTilesStep`` (step_host.py): optimizer offload, on host tensors, tile by tile, each tile's
+  write-back to the device overlapping the next tile (see [Note: offloaded step] in step_host.py);
+- ``DiskStep`` (step_disk.py): the same with the elementwise state in files (``offload_dir``);
+- ``OverlappedStep`` (step_overlap.py): the host step started during backward
+  (``offload_overlap``: see [Note: the overlapped host step] in overlap.py).
+
+The ZeroOptimizer keeps what every mode shares: the pieces and their param groups, the reduced
+gradients (``StepGradients``), clipping, the loss scaler, the all-gather of the updated weights
+and the state dict. Its ``step()`` makes one call, ``update``, or ``discard`` when the loss scaler
+skips the step. A backend also says, as class attributes, how the pieces are built for it
+(``stepped``), what the inner optimizer is built with (``options``, ``group_options``) and where
+the pieces live (``on_host``). A new mode (low-precision optimizer state, say) is a new backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from ..config import ZeroConfig
+from .flat import FlatGroup
+from .step_grads import StepGradients
+from .tiled_step import Settings
+
+
+@dataclass
+class Stepped:
+    """What a ZeroOptimizer steps, shared with its backend: per flat group, each piece's tensor (the
+    master, or the working weights: see [Note: master weights] in optimizer.py) and user param
+    group, and the inner optimizer over those tensors (``cls`` re-created with ``kwargs``)."""
+
+    groups: list[FlatGroup]
+    tensors: list[list[torch.Tensor]]
+    user_group: list[list[int]]
+    inner: torch.optim.Optimizer
+    kwargs: dict[str, Any]
+    device: torch.device  # where the collectives run
+    rank: int
+
+    @property
+    def cls(self) -> type:
+        return type(self.inner)
+
+    def offsets(self) -> list[list[int]]:
+        """Per group, each piece's first element in this rank's shard."""
+        return [[p.shard_offset for p in g.pieces] for g in self.groups]
+
+    def shard_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per group, each piece's elements ``[start, end)`` in this rank's shard."""
+        return [[(p.shard_offset, p.shard_offset + p.numel) for p in g.pieces] for g in self.groups]
+
+    def settings_of(self) -> Settings:
+        """A piece's param group (index, hyperparameters as the inner optimizer has them now)."""
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
+        return lambda gi, pi: (self.user_group[gi][pi], settings[self.user_group[gi][pi]])
+
+    def write_back(self) -> None:
+        """Round every group's masters into its working weights (see [Note: master copies] in flat.py)."""
+        for g in self.groups:
+            g.write_back()
+
+
+class StepBackend:
+    """One way of updating a ZeroOptimizer's pieces (see [Note: step backends]). The base does
+    nothing beyond the update; backends override what their mode needs."""
+
+    on_host = False
+    """The pieces, their gradients and the optimizer state are host tensors (optimizer offload)."""
+    defers_gradients = False
+    """The reduced gradients stay as reduced, with one factor owed (see [Note: the fused
+    mixed-precision step] in step_grads.py)."""
+    own_settings: tuple[str, ...] = ()
+    """Keys of the inner optimizer's param groups the backend sets, not the user (the host kernel choice)."""
+
+    def __init__(self, stepped: Stepped, config: ZeroConfig, owner: Any) -> None:
+        """``owner``: a weak proxy of the ZeroOptimizer, for backends that read it as it goes."""
+        self.stepped = stepped
+
+    @staticmethod
+    def pieces_of(group: FlatGroup) -> list[torch.Tensor]:
+        """The tensors the inner optimizer updates for ``group``'s pieces."""
+        return [group.stepped(piece) for piece in group.pieces]
+
+    @classmethod
+    def options(cls, optimizer_cls: type, kwargs: dict[str, Any], dtypes: Sequence[torch.dtype]) -> dict[str, Any]:
+        """The inner optimizer's constructor arguments, from the user's (``dtypes``: the masters')."""
+        return kwargs
+
+    @classmethod
+    def group_options(cls, optimizer_cls: type, group: dict[str, Any],
+                      dtypes: Sequence[torch.dtype]) -> dict[str, Any]:
+        """An inner param group's settings, from the user's."""
+        return group
+
+    @property
+    def segment_listener(self) -> Optional[Any]:
+        """Told by the gradient reducer when a segment's gradient reached its host shard, or None."""
+        return None
+
+    def update(self, grads: StepGradients) -> None:
+        """Step every piece with a gradient in ``grads`` (reduced, unscaled and clipped, or owing
+        ``grads.scale`` when deferred) and write the working weights; the inner optimizer's param
+        groups hold the step's hyperparameters. The all-gathers come after."""
+        raise NotImplementedError
+
+    def gradients_reduced(self) -> None:
+        """The reduction is done: what the step reads of the gradients may be read now."""
+
+    def discard(self) -> None:
+        """Work done ahead of the step is void (an overflow, ``zero_grad``, a state dict loaded)."""
+
+    def state_loaded(self) -> None:
+        """The inner optimizer's state and param groups were just loaded."""
+
+    @contextlib.contextmanager
+    def state_in_memory(self) -> Iterator[None]:
+        """Inside the block, ``inner.state`` holds every piece's whole state (see ``materialized_state``)."""
+        yield
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        """Memory the backend keeps of its own: ``master_params`` (shadows), ``pending_states``."""
+        return {"master_params": [], "pending_states": []}
+
+    def stats(self) -> dict[str, int]:
+        """What the backend counts (``offload_overlap_stats``)."""
+        return {}
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Free what outlives a step (files, a worker thread) now."""

@@ -1,0 +1,114 @@
+"""Optimizer offload's step on host tensors, tile by tile (see [Note: stepping in tiles] in
+offload.py, and [Note: step backends] in step_backend.py).
+
+[Note: offloaded step]
+With ``offload_optimizer`` the master pieces, their gradients and the inner optimizer's state are
+host tensors (see offload.py), and the inner optimizer is re-created fused (or foreach) for the
+host. The step runs tile by tile, each tile's updated pieces starting their copy to the device as
+the next tile steps; then the device waits for those copies and the all-gathers run as usual. With
+``offload_dir`` the state of each tile comes from disk and goes back to it; ``state_dict()`` reads
+it all into memory for the consolidation and ``load_state_dict()`` writes it all out again, so the
+unsharded state dict is the same as without offload.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Sequence
+
+import torch
+
+from ..config import ZeroConfig
+from .offload import host_optimizer_kwargs, wait_for_copies
+from .step_backend import StepBackend, Stepped
+from .step_grads import StepGradients
+from .tiled_step import PieceKey, TilePart, hooked_step, plan_tiles, unhooked_step
+
+GradOf = dict[PieceKey, torch.Tensor]  # each stepped piece's host gradient
+
+
+class HostTilesStep(StepBackend):
+    """The inner optimizer (re-created fused, or foreach, for the host) steps the pieces of one tile
+    at a time; each tile's updated masters start their copy to the device while the next steps."""
+
+    on_host = True
+    own_settings = ("fused", "foreach", "capturable")
+
+    def __init__(self, stepped: Stepped, config: ZeroConfig, owner: Any) -> None:
+        super().__init__(stepped, config, owner)
+        self.tile_numel = max(1, int(config.offload_tile_mb * 2**20) // 4)  # MiB of fp32 master weights
+        self.tiles = plan_tiles(stepped.shard_ranges(), self.tile_numel, split_pieces=False)
+        self.dtypes = [g.master_shard.dtype for g in stepped.groups if g.master_shard is not None]
+
+    @classmethod
+    def options(cls, optimizer_cls: type, kwargs: dict[str, Any], dtypes: Sequence[torch.dtype]) -> dict[str, Any]:
+        return host_optimizer_kwargs(optimizer_cls, kwargs, dtypes)
+
+    @classmethod
+    def group_options(cls, optimizer_cls: type, group: dict[str, Any],
+                      dtypes: Sequence[torch.dtype]) -> dict[str, Any]:
+        own = {k: group[k] for k in cls.own_settings if k in group}
+        return {**group, **host_optimizer_kwargs(optimizer_cls, own, dtypes)}
+
+    def gradients_reduced(self) -> None:
+        wait_for_copies(self.stepped.device)  # the gradients' copies to the host
+
+    def update(self, grads: StepGradients) -> None:
+        assert grads.pairs is not None
+        grad_of = {where: grad for where, (_, grad) in zip(grads.where, grads.pairs)}
+        self.keep_state_on_host()
+        hooked_step(self.stepped.inner, lambda: self.step_tiles(grad_of, grads))
+        wait_for_copies(self.stepped.device)
+
+    def step_tiles(self, grad_of: GradOf, grads: StepGradients) -> None:
+        """One step of the inner optimizer, a tile at a time (inside its hooked step: see unhooked_step)."""
+        taken, committed = self.computed_ahead(grad_of, grads)
+        tensors = self.stepped.tensors
+        for tile in self.tiles:
+            live = [p for p in tile if (p.group, p.piece) in grad_of]
+            if not live:
+                continue
+            stepping = []
+            for p in live:
+                key = (p.group, p.piece)
+                if key in committed:
+                    continue
+                if key in taken:
+                    self.commit(key, taken[key])
+                else:
+                    stepping.append(p)
+                    tensors[p.group][p.piece].grad = grad_of[key]
+            if stepping:
+                try:
+                    unhooked_step(self.stepped.inner)
+                finally:
+                    for p in stepping:
+                        tensors[p.group][p.piece].grad = None
+            self.written(live)
+
+    def computed_ahead(self, grad_of: GradOf, grads: StepGradients) -> tuple[dict[PieceKey, Any], Collection[PieceKey]]:
+        """Updates made before the step that it takes: to commit, and committed already (none here)."""
+        return {}, ()
+
+    def commit(self, key: PieceKey, result: Any) -> None:
+        raise NotImplementedError
+
+    def written(self, parts: Sequence[TilePart]) -> None:
+        """Start the copies of a stepped tile's masters to the device."""
+        for part in parts:
+            g = self.stepped.groups[part.group]
+            piece = g.pieces[part.piece]
+            g.write_back_piece(piece, part.start - piece.shard_offset, part.end - piece.shard_offset)
+
+    def keep_state_on_host(self) -> None:
+        """Lightning's checkpoint restore moves optimizer state to the root device; put it back."""
+        state = self.stepped.inner.state
+        for tensors in self.stepped.tensors:
+            for t in tensors:
+                entry = state.get(t)
+                if entry and any(isinstance(v, torch.Tensor) and v.device != t.device for v in entry.values()):
+                    state[t] = {k: v.to(t.device) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+
+    def state_loaded(self) -> None:
+        inner = self.stepped.inner
+        inner.param_groups[:] = [self.group_options(self.stepped.cls, g, self.dtypes) for g in inner.param_groups]
+        self.keep_state_on_host()
