@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
                              saved_activation_bytes)
     from .checkpoint import consolidate_checkpoint
     from .config import ZeroConfig
+    from .deepspeed.accelerator import get_accelerator
+    from .deepspeed.arguments import add_config_arguments
     from .deepspeed.engine import initialize
     from .deepspeed.launch import init_distributed
     from .engine import ZeroOptimizer
@@ -41,6 +43,7 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "consolidate_checkpoint": "checkpoint",
     "ZeroConfig": "config",
     "initialize": "deepspeed.engine", "init_distributed": "deepspeed.launch",  # DeepSpeed's loop API
+    "add_config_arguments": "deepspeed.arguments", "get_accelerator": "deepspeed.accelerator",  # DeepSpeed's scripts
     "ZeroOptimizer": "engine", "gathered_parameters": "engine.parameters",
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",
@@ -49,6 +52,8 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "deepspeed_config", "engine",
                "fabric", "frontend", "kernels", "memory", "models", "precision", "strategy")
+# what `import zero_strategy as deepspeed` scripts reach as deepspeed.<name> (see zero_strategy/deepspeed/)
+_SUBMODULES += ("accelerator", "checkpointing", "comm", "moe", "ops", "pipe", "utils", "zero")
 
 __all__ = sorted(_PUBLIC_NAMES)
 
