@@ -45,6 +45,8 @@ REFUSED_FLAGS = {  # DeepSpeed's flag: why it is not taken
     "--ssh_port": "there is no ssh fan-out", "--venv_script": "there is no ssh fan-out",
 }
 
+_SWITCHES = ("--bind_cores_to_rank", "--elastic_training")  # DeepSpeed's flags that take no value
+
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="zero-launch", description="Start a DeepSpeed-style training script on "
@@ -64,7 +66,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.add_argument(flag, action="store_true", help="accepted; nothing to do (one node, no ssh)")
     parser.add_argument("--log_level", default="info", help="accepted; torchrun logs as it does")
     for flag in (f for f in REFUSED_FLAGS if f.startswith("--")):
-        parser.add_argument(flag, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+        if flag in _SWITCHES:
+            parser.add_argument(flag, action="store_const", const=True, default=None, help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
     parser.add_argument("-H", dest="hostfile_short", default=None, help=argparse.SUPPRESS)
     parser.add_argument("user_script", help="the training script (or module / program)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's own arguments")
