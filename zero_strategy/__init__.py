@@ -50,7 +50,7 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
 }
-_SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "deepspeed_config", "engine",
+_SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
                "fabric", "frontend", "kernels", "memory", "models", "precision", "strategy")
 # what `import zero_strategy as deepspeed` scripts reach as deepspeed.<name> (see zero_strategy/deepspeed/)
 _SUBMODULES += ("accelerator", "checkpointing", "comm", "moe", "ops", "pipe", "utils", "zero")
