@@ -177,7 +177,7 @@ REFUSED = [
     ({"autotuning": {"enabled": True}}, "autotuning="), ({"gradient_predivide_factor": 2.0}, "gradient_predivide_"),
     ({"communication_data_type": "fp16"}, "communication_data_type="), ({"prescale_gradients": True}, "prescale_"),
     ({"seq_parallel_communication_data_type": "bf16"}, "seq_parallel_communication_data_type="),
-    ({"torch_autocast": {"enabled": True}}, "torch_autocast="), ({"gradient_allreduce_op": "sum"}, "gradient_all"),
+    ({"torch_autocast": {"enabled": True}}, "torch_autocast (enabled): ZeroStrategy takes"), ({"gradient_allreduce_op": "sum"}, "gradient_all"),
     ({ZERO: {"stage": 2, "zero_quantized_weights": True}}, "zero_quantized_weights at stage 2"),
     ({ZERO: {"stage": 1, "zero_hpz_partition_size": 8}}, "zero_hpz_partition_size=8 at stage 1"),
     ({ZERO: {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "zero_quantized_nontrainable_weights=true"),
@@ -648,3 +648,20 @@ def test_the_example_config_is_the_tutorials(tmp_path):
     assert (dict(settings.strategy), settings.precision, settings.train_micro_batch_size_per_gpu) == (
         {"stage": 2}, "16-mixed", 4)
     assert settings.optimizer.optimizer_class is torch.optim.AdamW and settings.optimizer.kwargs["lr"] == 1e-4
+
+
+def test_torch_autocast_section_is_read_for_initialize_only():
+    section = {"enabled": True, "dtype": "bf16", "lower_precision_safe_modules": ["torch.nn.modules.linear.Linear"]}
+    settings = map_deepspeed_config({"torch_autocast": section}, front_end="initialize")
+    assert settings.autocast.dtype == torch.bfloat16 and settings.precision is None
+    assert settings.autocast.lower_precision_safe_modules == ("torch.nn.modules.linear.Linear",)
+    assert any("reduced in fp32 here" in note for note in settings.notes)
+    assert map_deepspeed_config({"torch_autocast": {"enabled": True}}, front_end="initialize").autocast.dtype is None
+    off = map_deepspeed_config({"torch_autocast": {"enabled": False, "dtype": "fp16"}})
+    assert off.autocast is None and off.ignored["torch_autocast"] == "disabled"
+    bad = {"torch_autocast": {"enabled": True, "dtype": "fp32", "lower_precision_safe_modules": ["torch.nn.Nope"]},
+           "bf16": {"enabled": True}}
+    with pytest.raises(DeepSpeedConfigError) as refused:
+        map_deepspeed_config(bad, front_end="initialize")
+    for fragment in ("torch_autocast with bf16.enabled", "torch_autocast.dtype='fp32'", "'torch.nn.Nope' does not import"):
+        assert fragment in str(refused.value)

@@ -241,6 +241,28 @@ def _fp16_refusal(rank: int) -> str:
     return "no error"
 
 
+def _fp16_autocast(rank: int) -> dict:
+    """torch_autocast to float16: fp32 weights, an fp16 forward, the loss scaled (direct backward refused)."""
+    torch.manual_seed(0)
+    model = Regressor()
+    before = model.fc1.weight.detach().clone()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config(1, torch_autocast={"enabled": True,
+                                                                                          "dtype": "fp16"}))
+    x, y = _batch(0, rank)
+    out = engine(x, y)
+    try:
+        out["loss"].backward()
+        refusal = "no error"
+    except RuntimeError as err:
+        refusal = str(err)
+    for step in range(2):
+        engine.backward(engine(*_batch(step, rank))["loss"])
+        engine.step()
+    return {"dtypes": (out["logits"].dtype, model.fc1.weight.dtype), "refusal": refusal,
+            "autocast": (engine.torch_autocast_enabled(), engine.torch_autocast_dtype(), engine.fp16_enabled()),
+            "scale": engine.precision.scaler.scale, "moved": not torch.equal(before, model.fc1.weight.detach())}
+
+
 def _zero_init(rank: int, folder: str) -> dict:
     cfg = config(3, bf16={"enabled": True})
     with pytest.raises(ValueError, match="only stage 3 builds the model sharded"):
@@ -302,6 +324,7 @@ def _door(rank: int, world_size: int, folder: str) -> dict:
     out["fp16"] = {how: _train(rank, how, 2, fp16={"enabled": True, "initial_scale_power": 8})
                    for how in ("engine.backward", "scale(loss).backward")}
     out["fp16 refusal"] = _fp16_refusal(rank)
+    out["fp16 autocast"] = _fp16_autocast(rank)
     out["zero.Init"] = _zero_init(rank, folder)
     return out
 
@@ -324,6 +347,10 @@ def test_scripts_surface_on_two_ranks(tmp_path):
                     assert torch.equal(value, runs["engine.backward"][key]), (name, how, key)
         assert not torch.equal(out["fp32 stage 1"]["engine.backward"]["fc1.weight"], Regressor().fc1.weight)
         assert out["fp16 refusal"] == UNSCALED_FP16
+        autocast = out["fp16 autocast"]
+        assert autocast["dtypes"] == (torch.float16, torch.float32) and autocast["refusal"] == UNSCALED_FP16
+        assert autocast["autocast"] == (True, torch.float16, False) and autocast["scale"] == 2.0**16
+        assert autocast["moved"]
         init = out["zero.Init"]
         assert init["on_meta"] and init["saved"] and init["whole"].shape == (16, 6)
         assert torch.equal(init["whole"], init["gathered"]["fc1.weight"])

@@ -33,7 +33,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .engine import ZeroEngine
 
-UNSCALED_FP16 = ("loss.backward() on an fp16 engine's output without the loss scale: the gradients would underflow "
+UNSCALED_FP16 = ("loss.backward() on the output of an fp16 engine (fp16, or torch_autocast to float16) without the loss scale: the gradients would underflow "
                  "and the overflow check would be wrong. Use engine.backward(loss), or engine.scale(loss).backward().")
 
 
@@ -50,7 +50,7 @@ class _EngineOutput(torch.autograd.Function):
         engine = ctx.engine
         if engine._engine_backward_depth:
             return grad, None
-        if engine.fp16_enabled() and not engine._scaled_for_backward:
+        if engine.precision.scaler is not None and not engine._scaled_for_backward:
             raise RuntimeError(UNSCALED_FP16)
         torch.autograd.Variable._execution_engine.queue_callback(engine._backward_ended)
         steps = engine.gradient_accumulation_steps()

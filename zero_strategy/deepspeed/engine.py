@@ -46,6 +46,7 @@ from ..engine import Collectives, ParameterSharder, ZeroOptimizer
 from ..frontend import EngineModel, WorkingPrecision, clip_grad_norm, setup_engine
 from . import engine_checkpoint
 from .arguments import local_rank_from_arguments, record_local_rank
+from .autocast import autocast_kwargs
 from .backward import route_outputs
 from .config import DeepSpeedSettings, map_deepspeed_config
 from .engine_parts import (build_dataloader, build_optimizer, build_scheduler, check_batch_sizes, engine_device,
@@ -99,7 +100,8 @@ class ZeroEngine(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.precision.dtype is not torch.float32:  # the fp16/bf16 weights' dtype, as fp16.auto_cast does
             inputs, kwargs = self.precision.convert_input((inputs, kwargs))
-        with offload_activations(enabled=self.zero_config.offload_activations and torch.is_grad_enabled()):
+        with offload_activations(enabled=self.zero_config.offload_activations and torch.is_grad_enabled()), \
+                self.precision.autocast(self._device.type):  # torch_autocast: see [Note: torch_autocast]
             outputs = self.module(*inputs, **kwargs)
         return route_outputs(outputs, self) if self.optimizer is not None else outputs
 
@@ -201,6 +203,12 @@ class ZeroEngine(nn.Module):
     def bfloat16_enabled(self) -> bool:
         return self.precision.precision == "bf16-mixed"
 
+    def torch_autocast_enabled(self) -> bool:
+        return self.precision.autocast_dtype is not None
+
+    def torch_autocast_dtype(self) -> Optional[torch.dtype]:
+        return self.precision.autocast_dtype
+
     def zero_optimization_stage(self) -> int:
         """The config's stage (0 runs as stage 1: see [Note: stage 0])."""
         return int(self.settings.strategy["stage"])
@@ -271,9 +279,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                          "supported; this package is data parallel (ZeRO) only. Drop the argument.")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     config = resolve_config(config, config_params, args)
-    settings = map_deepspeed_config(config, world_size=dist.get_world_size())
+    settings = map_deepspeed_config(config, world_size=dist.get_world_size(), front_end="initialize")
     check_batch_sizes(settings)
-    precision = WorkingPrecision(settings.precision or "32-true", **settings.precision_kwargs)
     stage = int(settings.strategy["stage"])
     zero_config = ZeroConfig(**{**settings.strategy, "stage": max(stage, 1)})
     comm = Collectives(collective_timeout=zero_config.collective_timeout)
@@ -281,6 +288,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     rank_here = local_rank() if rank_here is None else rank_here
     record_local_rank(args, rank_here)
     device = engine_device(rank_here)
+    precision = WorkingPrecision(settings.precision or "32-true", **settings.precision_kwargs,
+                                 **autocast_kwargs(settings.autocast, device))
 
     def build() -> list[torch.optim.Optimizer]:  # after the dtype and the device, as DeepSpeed builds it
         built = build_optimizer(model, optimizer, model_parameters, settings)
