@@ -135,7 +135,8 @@ def test_unsupported_names_import_and_say_what_to_use():
     for use, fragment in ((lambda: deepspeed.moe.layer.MoE(hidden_size=4), "mixture-of-experts"),
                           (lambda: split_params_into_different_moe_groups_for_optimizer([]), "mixture-of-experts"),
                           (lambda: PipelineModule(layers=[]), "Use ZeRO stage 3"),
-                          (lambda: deepspeed.pipe.PipeDataParallelTopology, "pipeline parallelism")):
+                          (lambda: deepspeed.pipe.PipeDataParallelTopology, "pipeline parallelism"),
+                          (lambda: deepspeed.init_inference(nn.Linear(1, 1)), "inference engine")):
         with pytest.raises(UnsupportedFeature, match=fragment):
             use()
 

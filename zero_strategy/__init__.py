@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
     from .deepspeed.arguments import add_config_arguments
     from .deepspeed.engine import initialize
     from .deepspeed.launch import init_distributed
+    from .deepspeed.unsupported import init_inference
     from .engine import ZeroOptimizer
     from .engine.parameters import gathered_parameters
     from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
@@ -44,6 +45,7 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "ZeroConfig": "config",
     "initialize": "deepspeed.engine", "init_distributed": "deepspeed.launch",  # DeepSpeed's loop API
     "add_config_arguments": "deepspeed.arguments", "get_accelerator": "deepspeed.accelerator",  # DeepSpeed's scripts
+    "init_inference": "deepspeed.unsupported",  # raises, naming what to do instead
     "ZeroOptimizer": "engine", "gathered_parameters": "engine.parameters",
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",

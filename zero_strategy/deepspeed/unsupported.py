@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["MOE", "PIPE", "UnsupportedFeature", "refusing"]
+__all__ = ["INFERENCE", "MOE", "PIPE", "UnsupportedFeature", "init_inference", "refusing"]
 
 MOE = ("mixture-of-experts parallelism (deepspeed.moe) is not supported: this package is data parallel (ZeRO) "
        "only. Build the experts as ordinary modules (they then train as data-parallel parameters, every rank holding "
@@ -44,3 +44,13 @@ def module_getattr(module: str, why: str) -> Callable[[str], Any]:
         raise UnsupportedFeature(f"{module}.{name}: {why}")
 
     return __getattr__
+
+
+INFERENCE = ("DeepSpeed's inference engine (kernel injection, tensor-parallel inference) is not offered: this package "
+             "trains. For inference load the weights into your model (utils.zero_to_fp32, or engine.save_16bit_model) "
+             "and run it with torch, or use DeepSpeed.")
+
+
+def init_inference(model: Any = None, config: Any = None, **kwargs: Any) -> Any:
+    """Not supported: raises ``UnsupportedFeature`` naming what to do instead."""
+    raise UnsupportedFeature(f"init_inference: {INFERENCE}")
