@@ -8,8 +8,10 @@ same gradients, so each tensor the engine's forward returns passes through an id
 node (``_EngineOutput``) whose backward divides the incoming gradient by the accumulation steps,
 unless ``engine.backward`` is running (which divided the loss already). Every path from what the
 user calls backward on down to the parameters crosses exactly one such node, whatever the user
-computes from the outputs, so the division happens once, and gradients are linear in it. (Hooks on
-the output tensors would not do: a model that returns its loss and the logits the loss was computed
+computes from the outputs, so the division happens once, and gradients are linear in it. The node
+hands out a copy of each output (one copy of the logits per forward): an alias would be a view,
+which autograd forbids editing in place (``loss /= n`` in a script). (Hooks on the output tensors
+would not do: a model that returns its loss and the logits the loss was computed
 from would see the logits' hook fire on the loss's path too, dividing twice.)
 
 fp16 needs the loss scale in the backward: a direct backward is refused in that node (before any
@@ -38,12 +40,12 @@ UNSCALED_FP16 = ("loss.backward() on the output of an fp16 engine (fp16, or torc
 
 
 class _EngineOutput(torch.autograd.Function):
-    """Identity forward; backward divides by the accumulation steps outside ``engine.backward``."""
+    """Identity forward (a copy); backward divides by the accumulation steps outside ``engine.backward``."""
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, engine: "ZeroEngine") -> Tensor:  # type: ignore[override]
         ctx.engine = engine
-        return tensor.view_as(tensor)
+        return tensor.clone()  # not a view: scripts may edit an output in place (loss /= n), which a view refuses
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
