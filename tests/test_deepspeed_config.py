@@ -177,7 +177,7 @@ REFUSED = [
     ({"autotuning": {"enabled": True}}, "autotuning="), ({"gradient_predivide_factor": 2.0}, "gradient_predivide_"),
     ({"communication_data_type": "fp16"}, "communication_data_type="), ({"prescale_gradients": True}, "prescale_"),
     ({"seq_parallel_communication_data_type": "bf16"}, "seq_parallel_communication_data_type="),
-    ({"torch_autocast": {"enabled": True}}, "torch_autocast="), ({"gradient_allreduce_op": "sum"}, "gradient_all"),
+    ({"torch_autocast": {"enabled": True}}, "torch_autocast (enabled): ZeroStrategy takes"), ({"gradient_allreduce_op": "sum"}, "gradient_all"),
     ({ZERO: {"stage": 2, "zero_quantized_weights": True}}, "zero_quantized_weights at stage 2"),
     ({ZERO: {"stage": 1, "zero_hpz_partition_size": 8}}, "zero_hpz_partition_size=8 at stage 1"),
     ({ZERO: {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "zero_quantized_nontrainable_weights=true"),
@@ -648,3 +648,63 @@ def test_the_example_config_is_the_tutorials(tmp_path):
     assert (dict(settings.strategy), settings.precision, settings.train_micro_batch_size_per_gpu) == (
         {"stage": 2}, "16-mixed", 4)
     assert settings.optimizer.optimizer_class is torch.optim.AdamW and settings.optimizer.kwargs["lr"] == 1e-4
+
+
+def test_torch_autocast_section_is_read_for_initialize_only():
+    section = {"enabled": True, "dtype": "bf16", "lower_precision_safe_modules": ["torch.nn.modules.linear.Linear"]}
+    settings = map_deepspeed_config({"torch_autocast": section}, front_end="initialize")
+    assert settings.autocast.dtype == torch.bfloat16 and settings.precision is None
+    assert settings.autocast.lower_precision_safe_modules == ("torch.nn.modules.linear.Linear",)
+    assert any("reduced in fp32 here" in note for note in settings.notes)
+    assert map_deepspeed_config({"torch_autocast": {"enabled": True}}, front_end="initialize").autocast.dtype is None
+    off = map_deepspeed_config({"torch_autocast": {"enabled": False, "dtype": "fp16"}})
+    assert off.autocast is None and off.ignored["torch_autocast"] == "disabled"
+    bad = {"torch_autocast": {"enabled": True, "dtype": "fp32", "lower_precision_safe_modules": ["torch.nn.Nope"]},
+           "bf16": {"enabled": True}}
+    with pytest.raises(DeepSpeedConfigError) as refused:
+        map_deepspeed_config(bad, front_end="initialize")
+    for fragment in ("torch_autocast with bf16.enabled", "torch_autocast.dtype='fp32'", "'torch.nn.Nope' does not import"):
+        assert fragment in str(refused.value)
+
+
+def test_every_key_of_deepspeeds_schema_is_accounted_for(deepspeed):
+    """Each key DeepSpeed 0.19's config knows maps, is harmless with its reason, or is refused with what
+    to use instead (none falls through to "unknown key"): the fields (and aliases) of its pydantic
+    sections, the activation checkpointing keys, and every key runtime/config.py reads by name."""
+    import deepspeed.runtime.activation_checkpointing.config as act
+    import deepspeed.runtime.config as ds_config
+    import deepspeed.runtime.constants as constants
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
+
+    from zero_strategy.deepspeed.keys import MAPPED, RULES, ZERO_ALIASES
+
+    def known(section: str) -> set[str]:
+        return set(MAPPED.get(section, ())) | {path.rpartition(".")[2] for path in RULES
+                                               if path.rpartition(".")[0] == section}
+
+    def fields(model) -> set[str]:
+        return {name for field_name, f in model.model_fields.items() for name in (field_name, f.alias) if name}
+
+    normalised = {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory", *ZERO_ALIASES}  # read as others
+    sections = {"zero_optimization": fields(DeepSpeedZeroConfig) - normalised,
+                "zero_optimization.offload_param": fields(DeepSpeedZeroOffloadParamConfig),
+                "zero_optimization.offload_optimizer": fields(DeepSpeedZeroOffloadOptimizerConfig),
+                "fp16": fields(DeepSpeedFP16Config), "bf16": fields(DeepSpeedBF16Config),
+                "activation_checkpointing": {value for name, value in vars(act).items() if name.startswith("ACT_CHKPT_")
+                                             and isinstance(value, str) and not name.endswith(("_DEFAULT", "_FORMAT"))
+                                             and value != "activation_checkpointing"}}
+    missing = {section: sorted(keys - known(section)) for section, keys in sections.items() if keys - known(section)}
+    source = inspect.getsource(ds_config)
+    names = set()
+    for pattern in (r"get_scalar_param\(\s*param_dict\s*,\s*([A-Z_0-9]+)", r"param_dict\.get\(\s*([A-Z_0-9]+)",
+                    r"([A-Z_0-9]+) in param_dict", r"param_dict\[\s*([A-Z_0-9]+)\s*\]"):
+        names |= set(re.findall(pattern, source))
+    values = {**vars(constants), **vars(ds_config)}
+    read_by_name = {values[n] for n in names if isinstance(values.get(n), str)}
+    read_by_name |= set(re.findall(r"param_dict\.get\(\s*[\"']([a-z_0-9]+)[\"']", source))
+    anywhere = set().union(*(known(section) for section in {*MAPPED, *(p.rpartition(".")[0] for p in RULES)}))
+    assert len(read_by_name) >= 30  # the scan found DeepSpeed's keys (35 in 0.19.8)
+    unaccounted = sorted(read_by_name - anywhere - {"bfloat16"})  # bfloat16: bf16's old name, normalised
+    assert not missing and not unaccounted, (missing, unaccounted)

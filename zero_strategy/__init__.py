@@ -26,8 +26,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
                              saved_activation_bytes)
     from .checkpoint import consolidate_checkpoint
     from .config import ZeroConfig
+    from .deepspeed.accelerator import get_accelerator
+    from .deepspeed.arguments import add_config_arguments
     from .deepspeed.engine import initialize
     from .deepspeed.launch import init_distributed
+    from .deepspeed.unsupported import init_inference
     from .engine import ZeroOptimizer
     from .engine.parameters import gathered_parameters
     from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
@@ -41,14 +44,18 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "consolidate_checkpoint": "checkpoint",
     "ZeroConfig": "config",
     "initialize": "deepspeed.engine", "init_distributed": "deepspeed.launch",  # DeepSpeed's loop API
+    "add_config_arguments": "deepspeed.arguments", "get_accelerator": "deepspeed.accelerator",  # DeepSpeed's scripts
+    "init_inference": "deepspeed.unsupported",  # raises, naming what to do instead
     "ZeroOptimizer": "engine", "gathered_parameters": "engine.parameters",
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
 }
-_SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "deepspeed_config", "engine",
+_SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
                "fabric", "frontend", "kernels", "memory", "models", "precision", "strategy")
+# what `import zero_strategy as deepspeed` scripts reach as deepspeed.<name> (see zero_strategy/deepspeed/)
+_SUBMODULES += ("accelerator", "checkpointing", "comm", "moe", "ops", "pipe", "utils", "zero")
 
 __all__ = sorted(_PUBLIC_NAMES)
 

@@ -36,7 +36,7 @@ from .checkpoint.deepspeed import fit_to_module
 from .checkpoint.sharded import masters_from_state_dict, on_every_rank
 from .config import ZeroConfig
 from .deepspeed.config import DeepSpeedSettings
-from .deepspeed_config import DeepSpeedConfig, apply_to_trainer, check_batch_size, optimizers_from_config
+from .deepspeed.trainer import DeepSpeedConfig, apply_to_trainer, check_batch_size, optimizers_from_config
 from .engine import Collectives, ParameterSharder, ZeroOptimizer
 from .engine.watchdog import install_sigterm_handler
 from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,

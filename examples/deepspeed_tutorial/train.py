@@ -1,6 +1,7 @@
 """DeepSpeed's tutorial loop, run by zero_strategy: the only change is the import.
 
     torchrun --nproc-per-node 2 examples/deepspeed_tutorial/train.py     # 2 CPU processes, gloo
+    zero-launch --num_gpus 2 examples/deepspeed_tutorial/train.py        # the same, DeepSpeed's launcher line
 
 The config, ``initialize``, ``backward``, ``step``, ``save_checkpoint`` and ``load_checkpoint`` are
 DeepSpeed's; on CPU the batches go to ``model_engine.device`` (DeepSpeed's tutorials write
@@ -59,6 +60,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--checkpoint-dir", default="outputs/deepspeed_tutorial")
     parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
+    parser.add_argument("--local_rank", type=int, default=-1, help="passed by zero-launch (and DeepSpeed's launcher)")
+    parser = deepspeed.add_config_arguments(parser)  # --deepspeed_config: a JSON config instead of the one below
     args = parser.parse_args()
     deepspeed_config["zero_optimization"]["stage"] = args.stage
 
@@ -66,7 +69,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = MLPClassifier()
     model_engine, optimizer, train_dataloader, _ = deepspeed.initialize(
-        config=deepspeed_config, model=model, model_parameters=model.parameters(),
+        args=args, config=None if args.deepspeed_config else deepspeed_config, model=model, model_parameters=model.parameters(),
         training_data=teacher_dataset(args.samples))
     _, client_state = model_engine.load_checkpoint(args.checkpoint_dir)  # (None, None) on the first run
     first_epoch = client_state["epoch"] + 1 if client_state else 0

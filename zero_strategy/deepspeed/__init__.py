@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"initialize": "engine", "ZeroEngine": "engine", "init_distributed": "launch"}
+_LAZY = {"initialize": "engine", "ZeroEngine": "engine", "init_distributed": "launch",
+         "add_config_arguments": "arguments", "get_accelerator": "accelerator"}
 
 __all__ = sorted(_LAZY)
 

@@ -29,6 +29,7 @@ from typing import Any, Optional, Union
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from .autocast import AutocastSettings, read_torch_autocast
 from .keys import (AUTO_HINT, AUTO_OK, MAPPED, RULES, ZERO_ALIASES, DeepSpeedConfigError, Findings, is_auto,
                    load_deepspeed_config, read_flag, read_integer, read_number, read_section, read_zero_plus_plus,
                    typo_hint)
@@ -90,6 +91,8 @@ class DeepSpeedSettings:
     """Keys accepted with no effect here, each with the reason."""
     notes: tuple[str, ...]
     """How some mapped keys were read (bucket sizes, pinning, ...)."""
+    autocast: Optional[AutocastSettings] = None
+    """The enabled ``torch_autocast`` section, read by ``initialize`` only (see [Note: torch_autocast])."""
 
     def clipping(self, trainer_value: Optional[float] = None) -> float:
         """The gradient norm to clip to (0.0: none). The config's value when it gives one; else
@@ -308,7 +311,7 @@ def resolve_batch_sizes(train_batch_size: Optional[int], micro_batch_size: Optio
 
 
 def map_deepspeed_config(config: Union[dict, str, os.PathLike], world_size: Optional[int] = None, *,
-                         precision: Optional[str] = None) -> DeepSpeedSettings:
+                         precision: Optional[str] = None, front_end: str = "ZeroStrategy") -> DeepSpeedSettings:
     """What a DeepSpeed config (a dict or a JSON file's path) means for this package.
 
     ``world_size`` resolves the three batch numbers as DeepSpeed does (left as given when None).
@@ -316,12 +319,14 @@ def map_deepspeed_config(config: Union[dict, str, os.PathLike], world_size: Opti
     the config has no fp16/bf16 section. Refused and unknown keys raise one DeepSpeedConfigError;
     a bad value raises at once. A config without ``zero_optimization`` is DeepSpeed's stage 0 (no
     sharding): ``strategy["stage"]`` is then 0, which ZeroStrategy does not run (that is DDP).
-    Log ``log_summary()`` once: it names the keys that have no effect here.
+    Log ``log_summary()`` once: it names the keys that have no effect here. ``front_end`` names
+    the caller: only "initialize" takes an enabled ``torch_autocast`` (see [Note: torch_autocast]).
     """
     reader = _Reader()
     config = reader.normalise(load_deepspeed_config(config))
     reader.walk(config)
     config_precision, precision_kwargs = reader.precision(config)
+    autocast = read_torch_autocast(config, reader, config_precision, front_end)
     strategy = reader.zero(read_section(config.get("zero_optimization") or {}, "zero_optimization"),
                            _element_size(config_precision or precision))
     if "zero_allow_untested_optimizer" in config:
@@ -364,7 +369,7 @@ def map_deepspeed_config(config: Union[dict, str, os.PathLike], world_size: Opti
         world_size=world_size, dataloader_drop_last=read_flag(config.get("dataloader_drop_last", False),
                                                               "dataloader_drop_last"),
         optimizer=optimizer, scheduler=scheduler, activation_checkpointing=types.MappingProxyType(activation),
-        ignored=types.MappingProxyType(reader.ignored), notes=tuple(reader.notes))
+        ignored=types.MappingProxyType(reader.ignored), notes=tuple(reader.notes), autocast=autocast)
 
 
 _PRECISION_NAMES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}

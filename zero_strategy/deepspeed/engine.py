@@ -45,6 +45,9 @@ from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer
 from ..frontend import EngineModel, WorkingPrecision, clip_grad_norm, setup_engine
 from . import engine_checkpoint
+from .arguments import local_rank_from_arguments, record_local_rank
+from .autocast import autocast_kwargs
+from .backward import route_outputs
 from .config import DeepSpeedSettings, map_deepspeed_config
 from .engine_parts import (build_dataloader, build_optimizer, build_scheduler, check_batch_sizes, engine_device,
                            resolve_config)
@@ -84,6 +87,9 @@ class ZeroEngine(nn.Module):
         self.micro_steps = 0  # step() calls, boundary or not
         self._global_grad_norm: Optional[float] = None
         self._step_applied = False
+        self._engine_backward_depth = 0  # > 0 while backward() runs: see [Note: one division per path]
+        self._scaled_for_backward = False  # scale() made the loss of the coming direct backward
+        self._warned_unreachable = False
 
     # ---- what tutorials ask of the engine ------------------------------------------------------
 
@@ -94,8 +100,10 @@ class ZeroEngine(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.precision.dtype is not torch.float32:  # the fp16/bf16 weights' dtype, as fp16.auto_cast does
             inputs, kwargs = self.precision.convert_input((inputs, kwargs))
-        with offload_activations(enabled=self.zero_config.offload_activations and torch.is_grad_enabled()):
-            return self.module(*inputs, **kwargs)
+        with offload_activations(enabled=self.zero_config.offload_activations and torch.is_grad_enabled()), \
+                self.precision.autocast(self._device.type):  # torch_autocast: see [Note: torch_autocast]
+            outputs = self.module(*inputs, **kwargs)
+        return route_outputs(outputs, self) if self.optimizer is not None else outputs
 
     def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
         """Backward of ``loss`` divided by ``gradient_accumulation_steps`` (unless ``scale_wrt_gas`` is
@@ -107,8 +115,27 @@ class ZeroEngine(nn.Module):
                              "(e.g. loss.mean()).")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
-        self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+        self._engine_backward_depth += 1
+        try:
+            self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+        finally:
+            self._engine_backward_depth -= 1
         return loss
+
+    def scale(self, loss: Tensor) -> Tensor:
+        """``loss`` times the fp16 loss scale (unchanged in fp32 and bf16), for a direct
+        ``scale(loss).backward()``; the division by ``gradient_accumulation_steps`` happens in that
+        backward (see [Note: one division per path] in backward.py)."""
+        self._need_optimizer("scale")
+        if not isinstance(loss, Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError(f"scale(loss): loss must be a one-element tensor computed from the engine's output, got "
+                             f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__}; for another "
+                             "tensor use out.backward(grad).")
+        self._scaled_for_backward = True
+        return self.precision.scale_loss(loss)
+
+    def _backward_ended(self) -> None:
+        self._scaled_for_backward = False
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """At an accumulation boundary: reduce, clip, step the optimizer and the LR scheduler, zero the
@@ -176,6 +203,12 @@ class ZeroEngine(nn.Module):
     def bfloat16_enabled(self) -> bool:
         return self.precision.precision == "bf16-mixed"
 
+    def torch_autocast_enabled(self) -> bool:
+        return self.precision.autocast_dtype is not None
+
+    def torch_autocast_dtype(self) -> Optional[torch.dtype]:
+        return self.precision.autocast_dtype
+
     def zero_optimization_stage(self) -> int:
         """The config's stage (0 runs as stage 1: see [Note: stage 0])."""
         return int(self.settings.strategy["stage"])
@@ -202,6 +235,14 @@ class ZeroEngine(nn.Module):
         with a warning when ``load_dir`` has no ``latest`` file (as DeepSpeed). A collective."""
         return engine_checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                       load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the whole model's state dict, in the working dtype (fp32, bf16 or fp16), to
+        ``save_dir/save_filename`` with torch.save; returns True. A collective (stage 3 gathers it unit
+        by unit), so every rank calls it; unlike DeepSpeed, stage 3 saves without
+        ``stage3_gather_16bit_weights_on_model_save``, the gather costing one unit's memory at a time."""
+        return engine_checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Wait for a checkpoint being saved in the background, remove the engine's hooks from the model
@@ -240,15 +281,17 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                          "supported; this package is data parallel (ZeRO) only. Drop the argument.")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     config = resolve_config(config, config_params, args)
-    settings = map_deepspeed_config(config, world_size=dist.get_world_size())
+    settings = map_deepspeed_config(config, world_size=dist.get_world_size(), front_end="initialize")
     check_batch_sizes(settings)
-    precision = WorkingPrecision(settings.precision or "32-true", **settings.precision_kwargs)
     stage = int(settings.strategy["stage"])
     zero_config = ZeroConfig(**{**settings.strategy, "stage": max(stage, 1)})
     comm = Collectives(collective_timeout=zero_config.collective_timeout)
-    rank_here = getattr(args, "local_rank", None) if "LOCAL_RANK" not in os.environ else None
-    rank_here = rank_here if isinstance(rank_here, int) and rank_here >= 0 else local_rank()
+    rank_here = local_rank_from_arguments(args)  # see [Note: args.local_rank] in arguments.py
+    rank_here = local_rank() if rank_here is None else rank_here
+    record_local_rank(args, rank_here)
     device = engine_device(rank_here)
+    precision = WorkingPrecision(settings.precision or "32-true", **settings.precision_kwargs,
+                                 **autocast_kwargs(settings.autocast, device))
 
     def build() -> list[torch.optim.Optimizer]:  # after the dtype and the device, as DeepSpeed builds it
         built = build_optimizer(model, optimizer, model_parameters, settings)

@@ -41,6 +41,24 @@ CLIENT_STATE = "client_state"
 # ---- save ----------------------------------------------------------------------------------
 
 
+def save_16bit_model(engine: "ZeroEngine", save_dir: Any, save_filename: str, exclude_frozen: bool) -> bool:
+    if not isinstance(save_filename, str) or not save_filename or "/" in save_filename:
+        raise ValueError(f"save_16bit_model(save_filename={save_filename!r}): give a file name (no folder), such as "
+                         "'pytorch_model.bin'; the folder is save_dir.")
+    state = engine.engine_model.full_state_dict()  # a collective at stage 3: every rank gathers
+    if exclude_frozen:
+        frozen = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
+    if engine.comm.rank == 0:
+        import torch
+
+        folder = Path(save_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / save_filename, lambda tmp: torch.save(state, tmp))
+    engine.comm.all_gather_object(None)  # no rank returns before the file is there
+    return True
+
+
 def _check_tag(engine: "ZeroEngine", tag: str) -> None:
     if not tag or tag in (".", "..") or "/" in tag or "\\" in tag:
         raise ValueError(f"save_checkpoint(tag={tag!r}): a tag is the name of one folder in save_dir, such as "

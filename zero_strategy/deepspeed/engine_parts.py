@@ -15,6 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from ..engine import Collectives
+from .accelerator import get_accelerator
+from .arguments import config_from_arguments
 from .config import DeepSpeedSettings
 from .keys import DeepSpeedConfigError, is_auto, load_deepspeed_config
 
@@ -23,18 +25,13 @@ log = logging.getLogger(__name__)
 
 def resolve_config(config: Any, config_params: Any, args: Any) -> dict:
     """The DeepSpeed config from ``config``, the older ``config_params``, or ``args.deepspeed_config``
-    (DeepSpeed's command-line route), as a dict; exactly one of them."""
-    given = {name: value for name, value in (("config", config), ("config_params", config_params),
-                                              ("args.deepspeed_config", getattr(args, "deepspeed_config", None)))
-             if value is not None}
-    if not given:
+    (DeepSpeed's command-line route), as a dict: see [Note: where initialize finds the config]."""
+    chosen = config_from_arguments(config, config_params, args)
+    if chosen is None:
         raise DeepSpeedConfigError("initialize() needs a DeepSpeed config: pass config= a dict or the path of a JSON "
                                    'file, e.g. config={"train_micro_batch_size_per_gpu": 8, "zero_optimization": '
-                                   '{"stage": 2}}.')
-    if len(given) > 1:
-        raise DeepSpeedConfigError(f"initialize() was given a config in {' and '.join(given)}; pass it once "
-                                   "(config= is the usual place).")
-    loaded = load_deepspeed_config(next(iter(given.values())))
+                                   '{"stage": 2}}, or args with --deepspeed_config ds.json (add_config_arguments).')
+    loaded = load_deepspeed_config(chosen)
     autos = list(_auto_keys(loaded))
     if autos:
         raise DeepSpeedConfigError(f"initialize(): {', '.join(autos)} = 'auto', which Hugging Face's Trainer fills in "
@@ -61,8 +58,9 @@ def check_batch_sizes(settings: DeepSpeedSettings) -> None:
 
 
 def engine_device(local_rank: int) -> torch.device:
-    """``cuda:<local_rank>`` where CUDA is (as DeepSpeed's accelerator gives), else the CPU."""
-    if not torch.cuda.is_available():
+    """``cuda:<local_rank>`` on the CUDA accelerator, else the CPU (see [Note: which accelerator] in
+    accelerator.py: ``DS_ACCELERATOR=cpu`` trains on the CPU on a machine with GPUs)."""
+    if get_accelerator()._name != "cuda":
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if local_rank >= count:

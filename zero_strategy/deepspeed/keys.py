@@ -116,7 +116,8 @@ MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section (""
     "": frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                    "gradient_clipping", "fp16", "bf16", "optimizer", "scheduler", "zero_optimization",
                    "activation_checkpointing", "zero_allow_untested_optimizer", "dataloader_drop_last",
-                   "data_types"}),
+                   "data_types", "torch_autocast"}),
+    "torch_autocast": frozenset({"enabled", "dtype", "lower_precision_safe_modules"}),
     "fp16": frozenset({"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                        "min_loss_scale"}),
     "bf16": frozenset({"enabled"}),
@@ -178,8 +179,6 @@ RULES: dict[str, Rule] = {
     "autotuning": _disabled, "hybrid_engine": _disabled, "data_efficiency": _disabled, "elasticity": Rule(
         _disabled.accepts, "disabled", "elastic batch sizes are not supported: set train_batch_size, "
         "train_micro_batch_size_per_gpu and gradient_accumulation_steps directly"),
-    "torch_autocast": Rule(_disabled.accepts, "disabled", "torch.autocast is not used here: enable \"bf16\" or "
-                            "\"fp16\" (low-precision weights with fp32 master shards) or Trainer(precision=...)"),
     "amp": _refused("NVIDIA Apex AMP (removed from DeepSpeed too): use \"fp16\": {\"enabled\": true} or "
                     "Trainer(precision=\"16-mixed\")"),
     "sparse_attention": _refused("DeepSpeed's sparse attention kernels (" + _REMOVED + "); use your model's own "

@@ -105,8 +105,10 @@ def local_rank(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def default_backend() -> str:
-    """NCCL where CUDA is, gloo elsewhere (DeepSpeed's choice on each accelerator)."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """The accelerator's: NCCL on CUDA, gloo on the CPU (see [Note: which accelerator] in accelerator.py)."""
+    from .accelerator import get_accelerator
+
+    return get_accelerator().communication_backend_name()
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,

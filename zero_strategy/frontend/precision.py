@@ -37,13 +37,24 @@ class WorkingPrecision:
     """
 
     def __init__(self, precision: str = "32-true", loss_scale: float = 0.0, initial_scale_power: int = 16,
-                 loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0) -> None:
+                 loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0,
+                 autocast_dtype: Optional[torch.dtype] = None) -> None:
         if precision not in PRECISION_DTYPES:
             raise ValueError(f"precision={precision!r} is not supported by ZeRO training (ZeroStrategy, "
                              f"ZeroFabricStrategy, initialize); supported: {', '.join(SUPPORTED_PRECISION)}.")
         self.precision = precision
         self.dtype: torch.dtype = PRECISION_DTYPES[precision]
         self.scaler: Optional[LossScaler] = None
+        # [Note: the autocast mode] (DeepSpeed's torch_autocast, see deepspeed/autocast.py): fp32 weights,
+        # gradients and optimizer, the forward under torch.autocast(autocast_dtype); fp16 scales the loss
+        # as torch's GradScaler does (2**16, halved at each overflow, doubled after 2000 clean steps)
+        self.autocast_dtype = autocast_dtype
+        if autocast_dtype is not None:
+            if precision != "32-true" or autocast_dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"autocast_dtype={autocast_dtype} with precision={precision!r}: the autocast mode "
+                                 "keeps fp32 weights (precision '32-true') and autocasts to bfloat16 or float16.")
+            if autocast_dtype == torch.float16:
+                self.scaler = LossScaler(scale=2.0**16, window=2000, hysteresis=1, min_scale=2.0**-24)
         if precision == "16-mixed":
             dynamic = loss_scale == 0
             self.scaler = LossScaler(scale=2.0**initial_scale_power if dynamic else float(loss_scale),
@@ -51,7 +62,14 @@ class WorkingPrecision:
                                      min_scale=min_loss_scale)
 
     def __repr__(self) -> str:
-        return f"WorkingPrecision({self.precision!r})"
+        autocast = f", autocast_dtype={self.autocast_dtype}" if self.autocast_dtype is not None else ""
+        return f"WorkingPrecision({self.precision!r}{autocast})"
+
+    def autocast(self, device_type: str) -> Any:
+        """The forward's context: ``torch.autocast`` in the autocast mode, else nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=self.autocast_dtype)
 
     @property
     def master_weights(self) -> bool:

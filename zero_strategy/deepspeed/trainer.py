@@ -1,7 +1,7 @@
 """A DeepSpeed config given to ZeroStrategy (``ZeroStrategy(config="ds.json")``): what it sets.
 
-The mapping itself is in zero_strategy/deepspeed (``map_deepspeed_config``, no Lightning); this is
-the Lightning side of it, applied at three moments:
+The mapping itself is ``map_deepspeed_config`` in config.py beside this (no Lightning); this module
+is the Lightning side of it (only strategy.py imports it), applied at three moments:
 
 - construction: the engine settings (stage, offload, buckets, stage-3 options) and, when the config
   enables fp16 or bf16, the precision plugin with DeepSpeed's loss-scaling knobs. A ZeroStrategy
@@ -24,8 +24,8 @@ from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-from .deepspeed.config import DeepSpeedConfigError, DeepSpeedSettings, check_against_trainer, resolve_batch_sizes
-from .frontend.options import DeepSpeedConfig, engine_settings
+from .config import DeepSpeedConfigError, DeepSpeedSettings, check_against_trainer, resolve_batch_sizes
+from ..frontend.options import DeepSpeedConfig, engine_settings
 
 __all__ = ["DeepSpeedConfig", "apply_to_trainer", "check_batch_size", "engine_settings", "optimizers_from_config"]
 
