@@ -131,6 +131,9 @@ class BackgroundSaver:
                 return
         if self._error is None:
             callback()
+        else:  # the last save failed (its error not raised yet): what it would have replaced stays
+            log.warning("the last background save (%s) failed, so what was to wait for it is not done (an older "
+                        "checkpoint is kept, not removed)", self._path)
 
     def buffer_bytes(self) -> int:
         """Host bytes the buffers hold (kept between saves)."""
