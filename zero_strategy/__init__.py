@@ -29,7 +29,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
     from .deepspeed.engine import initialize
     from .deepspeed.launch import init_distributed
     from .engine import ZeroOptimizer
+    from .engine.join import Join
     from .engine.parameters import gathered_parameters
+    from .generation import any_rank_busy
     from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
     from .memory import count_parameters, estimate_memory, memory_stats
     from .precision import ZeroPrecision
@@ -46,9 +48,10 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "ZeroPrecision": "precision",
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
+    "any_rank_busy": "generation", "Join": "engine.join",  # ranks whose work differs: see the README
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "deepspeed_config", "engine",
-               "fabric", "frontend", "kernels", "memory", "models", "precision", "strategy")
+               "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "strategy")
 
 __all__ = sorted(_PUBLIC_NAMES)
 

@@ -20,6 +20,8 @@ ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
    groups of the trainable parameters; stage 3 broadcasts the buffers and ``shard_module``
    broadcasts and shards the parameters unit by unit. The optimizers are passed, so each gets flat
    groups of its own (see [Note: one owner of the flat groups]).
+   Then, at stage 3 over several ranks, Hugging Face models' ``generate`` keeps the ranks in step
+   (see [Note: synced generation] in generation.py).
 6. each optimizer re-created over this rank's pieces (``ZeroOptimizer``), with the loss scaler.
    ``add_optimizers`` is this step alone, for front ends that get optimizers after the module
    (Fabric's ``setup_module`` then ``setup_optimizers``): at stage 3 they map onto the units' groups
@@ -46,6 +48,7 @@ from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from ..engine.flat import FlatGroup
 from ..engine.materialize import materialize_buffers
+from ..generation import sync_generation
 from .precision import WorkingPrecision
 
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
@@ -143,6 +146,7 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
         sync_module(module, comm, config.stage)
         if config.stage == 3 or built:
             model.sharder = shard_module(module, config, comm, device, built)
+    sync_generation(module, config.stage, comm)
     return add_optimizers(model, built)  # 6
 
 
