@@ -163,16 +163,17 @@ class RankBoard:
             if theirs > mine and waiting_for is not None and suspect is None:
                 suspect = (rank, theirs)
         if suspect is None or waited_s < LEFT_AFTER_S:
-            self._suspect = suspect
+            self._suspect = None
             return None
         confirmed, self._suspect = self._suspect == suspect, suspect
         if not (confirmed or sure):
             return None
         rank, theirs = suspect
         left = self._label(rank, mine + 1)
-        where = f" after it {self.labels[-1]}" if self.labels else ""
-        return (f"rank {rank} {left}{self._note(rank)} while rank {self.rank} waited{where} for the {waiting_for} "
-                f"({waited_s:.0f} s): rank {rank} will not join it. To fix it: {advice_for(left, *self.labels[-1:])}.")
+        where = f"; it last {self.labels[-1]}" if self.labels else ""
+        return (f"rank {rank} {left}{self._note(rank)} while rank {self.rank} waited for the {waiting_for} "
+                f"({waited_s:.0f} s{where}): rank {rank} will not join it. To fix it: "
+                f"{advice_for(left, *self.labels[-1:])}.")
 
     def describe(self) -> str:
         """Every rank's last boundary, for a message (empty when the board is off or unreadable)."""
