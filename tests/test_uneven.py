@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed import HashStore
 from torch.nn.parallel import DistributedDataParallel
 
-from zero_strategy import Join, ZeroConfig
+from zero_strategy import Join, ZeroConfig, initialize
 from zero_strategy.engine import Collectives
 from zero_strategy.engine.rank_board import RankBoard
 from zero_strategy.frontend import WorkingPrecision, clip_grad_norm, setup_engine
@@ -97,19 +97,35 @@ def _join_vs_ddp(rank, world_size, cases):
                   ddp.no_sync)
 
         model = _net()
-        config = ZeroConfig(stage=stage, shard_modules=("Linear",), param_persistence_threshold=0)
-        engine = setup_engine(model, config, WorkingPrecision("32-true"), Collectives(), torch.device("cpu"),
-                              [torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)])
-        opt = engine.optimizers[0]
-        ours_scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        with Join(model, opt):
-            _loop(model, opt, ours_scheduler, batches, accumulate,
-                  lambda: clip_grad_norm(opt, max_norm) if max_norm else None, contextlib.nullcontext)
-        ours = engine.full_state_dict()
+        if stage == "initialize":  # DeepSpeed's loop: engine(x), engine.backward(loss), engine.step()
+            engine, _, _, _ = initialize(model=model, config=_deepspeed_config(max_norm),
+                                         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+            with Join(engine):
+                for x, y in batches:
+                    engine.backward(F.mse_loss(engine(x), y))
+                    engine.step()  # clips, steps the optimizer and the scheduler, zeroes the gradients
+            ours = engine.engine_model.full_state_dict()
+        else:
+            config = ZeroConfig(stage=stage, shard_modules=("Linear",), param_persistence_threshold=0)
+            engine = setup_engine(model, config, WorkingPrecision("32-true"), Collectives(), torch.device("cpu"),
+                                  [torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)])
+            opt = engine.optimizers[0]
+            ours_scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            with Join(model, opt):
+                _loop(model, opt, ours_scheduler, batches, accumulate,
+                      lambda: clip_grad_norm(opt, max_norm) if max_norm else None, contextlib.nullcontext)
+            ours = engine.full_state_dict()
+            engine.remove_hooks()
         theirs = reference.state_dict()
         results[(stage, accumulate, max_norm, counts)] = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
-        engine.remove_hooks()
     return results
+
+
+def _deepspeed_config(max_norm: float) -> dict:
+    """The run above as a DeepSpeed config: stage 3, AdamW, clipping."""
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": max_norm,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.1, "torch_adam": True}}}
 
 
 def test_uneven_batches_under_join_end_with_ddp_joins_weights_at_every_stage():
@@ -117,7 +133,7 @@ def test_uneven_batches_under_join_end_with_ddp_joins_weights_at_every_stage():
     # sharded unit. With accumulation, rank 1 joins at a step boundary: a micro-batch it had accumulated
     # would count here (its gradient is reduced already at stages 2-3), where DDP's Join drops it
     cases = [(1, 1, None, BATCHES), (2, 1, None, BATCHES), (3, 1, None, BATCHES), (3, 1, 0.05, BATCHES),
-             (1, 2, 0.05, (6, 4)), (3, 2, 0.05, (6, 4))]
+             (1, 2, 0.05, (6, 4)), (3, 2, 0.05, (6, 4)), ("initialize", 1, 0.05, BATCHES)]
     for differences in run_distributed(_join_vs_ddp, 2, cases):
         for case, difference in differences.items():
             assert difference < 1e-6, (case, difference)

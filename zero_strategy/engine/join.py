@@ -136,11 +136,17 @@ class Join:
 
     ``module``: the model the optimizers step (Fabric's ``fabric.setup`` result, or ``initialize``'s
     engine, also do). ``optimizers``: one or a sequence of this package's optimizers (a ZeroOptimizer,
-    Fabric's, or ``initialize``'s engine). ``enable=False`` makes the context do nothing.
+    Fabric's, or ``initialize``'s engine; ``Join(engine)`` alone takes the engine for both).
+    ``enable=False`` makes the context do nothing.
     """
 
-    def __init__(self, module: nn.Module, optimizers: Any, enable: bool = True) -> None:
+    def __init__(self, module: nn.Module, optimizers: Any = None, enable: bool = True) -> None:
         self.enable = enable
+        if optimizers is None:
+            if getattr(module, "engine_model", None) is None:
+                raise TypeError(f"Join({type(module).__name__}) needs the optimizers too: Join(model, optimizer); only "
+                                "initialize's engine stands for both (Join(engine)).")
+            optimizers = module
         if isinstance(optimizers, (ZeroOptimizer, nn.Module)) or not isinstance(optimizers, Sequence):
             optimizers = [optimizers]
         self.module = self._module_of(module)
