@@ -42,9 +42,9 @@ def test_the_board_tells_parted_ways_from_a_rank_gone_ahead_or_behind():
     assert zero.divergence("all-gather of unit 'h.0'", 60.0) is None  # in step
     one.mark("ended validation")  # rank 1 has gone ahead: rank 0, waiting in a collective, sees it only...
     assert zero.divergence("all-gather of unit 'h.0'", 1.0) is None  # ...after LEFT_AFTER_S
-    assert zero.divergence("all-gather of unit 'h.0'", 6.0) is None  # ...on two reads in a row
-    left = zero.divergence("all-gather of unit 'h.0'", 7.0)
-    assert left.startswith("rank 1 ended validation while rank 0 waited for the all-gather of unit 'h.0' (7 s; it "
+    assert zero.divergence("all-gather of unit 'h.0'", 11.0) is None  # ...on two reads in a row
+    left = zero.divergence("all-gather of unit 'h.0'", 12.0)
+    assert left.startswith("rank 1 ended validation while rank 0 waited for the all-gather of unit 'h.0' (12 s; it "
                            "last ended validation): rank 1 will not join it. To fix it:"), left
     assert "zero_strategy.Join" in left
     assert one.divergence("all-gather of unit 'h.1'", 60.0) is None  # rank 0 behind: only slower

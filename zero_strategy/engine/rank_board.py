@@ -34,7 +34,7 @@ from typing import Optional
 import torch.distributed as dist
 
 PREFIX = "zero_strategy/board"
-LEFT_AFTER_S = 5.0
+LEFT_AFTER_S = 10.0
 """How long a wait must last, with another rank past a boundary, before that rank counts as gone."""
 
 ADVICE = {
@@ -42,10 +42,10 @@ ADVICE = {
                   "inputs: the package turns synced_gpus on for Hugging Face models, so ranks that finish early keep "
                   "answering the others' gathers. Call it on every rank (not under `if trainer.is_global_zero:`), "
                   "and do not pass synced_gpus=False",
-    "default": "at ZeRO stage 3 every rank must run every unit: run evaluation, generation and each forward on every "
-               "rank (each with its own data), keep a loop's ranks in step with zero_strategy.Join (uneven batches) "
-               "or zero_strategy.any_rank_busy (a decoding loop of your own), or gather the model first "
-               "(zero_strategy.gathered_parameters) for work on one rank",
+    "default": "every rank must run every unit: run evaluation, generation and each forward on every rank (each "
+               "with its own data; work meant for one rank too, keeping that rank's result), and keep a loop's ranks "
+               "in step with zero_strategy.Join (uneven batches) or zero_strategy.any_rank_busy (a decoding loop of "
+               "your own)",
 }
 
 
