@@ -32,7 +32,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
     from .deepspeed.launch import init_distributed
     from .deepspeed.unsupported import init_inference
     from .engine import ZeroOptimizer
+    from .engine.join import Join
     from .engine.parameters import gathered_parameters
+    from .generation import any_rank_busy
     from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
     from .memory import count_parameters, estimate_memory, memory_stats
     from .precision import ZeroPrecision
@@ -51,9 +53,10 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "ZeroPrecision": "precision",
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
+    "any_rank_busy": "generation", "Join": "engine.join",  # ranks whose work differs: see the README
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
-               "fabric", "frontend", "kernels", "memory", "models", "precision", "strategy")
+               "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "strategy")
 # what `import zero_strategy as deepspeed` scripts reach as deepspeed.<name> (see zero_strategy/deepspeed/)
 _SUBMODULES += ("accelerator", "checkpointing", "comm", "moe", "ops", "pipe", "utils", "zero")
 

@@ -62,6 +62,7 @@ from .config import ZeroConfig
 from .engine import Collectives, ZeroOptimizer
 from .frontend import (EngineModel, WorkingPrecision, add_optimizers, clip_grad_norm, clip_grad_value,
                        load_full_model, move_module, setup_engine)
+from .frontend.job_end import watch_the_job
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
 from .frontend.options import (DeepSpeedConfig, ProcessLayout, barrier, broadcast_object, check_world_size,
                                engine_arguments, process_group_backend, read_options)
@@ -251,6 +252,9 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
                          f"(num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many processes as "
                          "Fabric(devices=..., num_nodes=...) asks for (fabric.launch(), torchrun or srun).")
         self._comm = self._world_collectives()
+        # a rank that fails fails the job: see [Note: a failed rank fails the job] in frontend/job_end.py
+        watch_the_job(lambda: getattr(self._launcher, "procs", []), self.node_rank * self.num_processes + 1,
+                      self.config.collective_timeout)
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

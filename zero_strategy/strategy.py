@@ -38,12 +38,14 @@ from .config import ZeroConfig
 from .deepspeed.config import DeepSpeedSettings
 from .deepspeed.trainer import DeepSpeedConfig, apply_to_trainer, check_batch_size, optimizers_from_config
 from .engine import Collectives, ParameterSharder, ZeroOptimizer
+from .engine.rank_board import mark
 from .engine.watchdog import install_sigterm_handler
 from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,
                        load_sharded_optimizers, move_module, open_sharded, read_deepspeed, save_sharded_model,
                        setup_engine)
 from .frontend.options import (ProcessLayout, barrier, broadcast_object, check_world_size, engine_arguments,
                                process_group_backend, read_options)
+from .frontend.job_end import watch_the_job
 from .frontend.setup import engine_config
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
@@ -186,6 +188,9 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
                          f"(num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many processes as "
                          "Trainer(devices=..., num_nodes=...) asks for.")
         self._comm = self._world_collectives()
+        # a rank that fails fails the job: see [Note: a failed rank fails the job] in frontend/job_end.py
+        watch_the_job(lambda: getattr(self.launcher, "procs", []), self.node_rank * self.num_processes + 1,
+                      self.config.collective_timeout)
 
     @property
     def comm(self) -> Collectives:
@@ -287,12 +292,22 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
 
     def on_validation_end(self) -> None:
         self.comm.begin_step()  # validation's gathers are not the next training step's bytes (comm_stats)
+        mark("ended validation")  # the loops' ends: see [Note: the rank board] in engine/rank_board.py
 
     def on_test_start(self) -> None:
         install_sigterm_handler()
 
+    def on_test_end(self) -> None:
+        mark("ended testing")
+
     def on_predict_start(self) -> None:
         install_sigterm_handler()
+
+    def on_predict_end(self) -> None:
+        mark("ended prediction")
+
+    def on_train_end(self) -> None:
+        mark("ended the training loop")
 
     # ---- stage 3: the root unit is held around each step, and state dicts are gathered ------
 

@@ -21,6 +21,12 @@ the same on every rank. A divergence in an unchecked pass is caught at the next 
 happens in; between, it makes the engine's collectives disagree, and the hang watchdog ends the job
 naming the collective (see [Note: hang watchdog] in watchdog.py). The tags are those of the gathers
 this rank issues: prefetches included, which follow the same history on every rank.
+
+When the tags differ because the ranks are in different parts of the program (one entered
+``generate()`` where the other ended validation), the error says so first, from the boundaries the
+ranks posted (see [Note: the rank board] in rank_board.py). A rank that has joined (``Join``, see
+join.py) replays a forward and backward of its own on the others' cue, so its tags are those of a
+rank in step and the guard accepts it; the board notes it as joined, for messages.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from . import rank_board
 from .collectives import Collectives
 
 PHASES = ("forward", "backward", "prefetch for forward", "prefetch for backward", "recomputation in backward",
@@ -101,6 +108,11 @@ class OrderGuard:
         for rank, (passes, seq, unit, phase, context) in enumerate(tags.tolist()):
             doing = _DOING[phase].format(unit=self._name(unit), context=self._name(context))
             lines.append(f"  rank {rank}: {doing} (pass {passes}, gather {seq} in it)")
+        board = rank_board.board()
+        cause = board.divergence()
+        if cause is not None:
+            raise UnitOrderError(f"ZeRO stage 3: the ranks are not in step: {cause}\nThe gathers that differed:\n"
+                                 + "\n".join(lines) + "\n" + board.describe())
         raise UnitOrderError(
             "ZeRO stage 3: the ranks gathered different units at the same point:\n" + "\n".join(lines) + "\n"
             "Every rank must run the same stage-3 units in the same order, whatever its data: a module skipped on one "

@@ -16,6 +16,12 @@ handlers: ``install_sigterm_handler`` makes SIGTERM that arrives during such a w
 the handler that was there before, once the wait is over (Lightning's own handler issues a
 collective, which must not run in the middle of another).
 
+While it waits, a rank reads where the others are (see [Note: the rank board] in rank_board.py):
+when another rank has gone a different way (entered ``generate()`` where this one ended
+validation) or has left the part of the program the collective belongs to (ended validation, or
+its process, while this one still gathers), the wait ends at once with a ``CollectiveError``
+saying so and what to do, instead of at the limit or with gloo's "Connection closed by peer".
+
 NCCL collectives are not waited for on the host (``wait()`` only orders CUDA streams), so they are
 left to NCCL's own watchdog, which aborts at the process group's timeout.
 """
@@ -31,6 +37,8 @@ import time
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
+
+from . import rank_board
 
 POLL_S = 1.0
 """A slice of a watched wait: how late a SIGTERM may be handled, and the limit's resolution."""
@@ -72,10 +80,13 @@ class Watchdog:
                     break
                 except RuntimeError as err:
                     if "operation timed out" not in str(err).lower():  # not our slice ending: a real failure
-                        raise CollectiveError(f"rank {self.rank}: the {what()} failed: {err}") from err
+                        raise CollectiveError(self._failed(what, err, time.monotonic() - start)) from err
                 waited = time.monotonic() - start
                 if _deferred_signal:
                     self._end(what, waited, "received SIGTERM while waiting", SIGTERM_EXIT_CODE)
+                cause = rank_board.board().divergence(what(), waited)
+                if cause is not None:
+                    raise CollectiveError(f"rank {self.rank}: {cause}")
                 if waited >= self.limit_s:  # type: ignore[operator]
                     self._end(what, waited, f"waited more than collective_timeout={self.limit_s:g} s",
                               HANG_EXIT_CODE)
@@ -84,6 +95,22 @@ class Watchdog:
         if _deferred_signal:
             _run_deferred_signal()
 
+    def _failed(self, what: Callable[[], str], err: Exception, waited: float) -> str:
+        """The message of a collective that failed: gloo's error, and why, when the board knows."""
+        board = rank_board.board()
+        message = f"rank {self.rank}: the {what()} failed: {err}"
+        cause = board.divergence(what(), max(waited, rank_board.LEFT_AFTER_S), sure=True)
+        try:
+            failed = {r: text for r, text in board.posted("end").items() if text != "ok"}
+        except Exception:
+            failed = {}
+        if cause is not None:
+            message += f"\nThe cause: {cause}"
+        for r, text in sorted(failed.items()):
+            message += f"\nrank {r} had ended: {text}"
+        where = board.describe() if cause is None and not failed else ""
+        return message + (f"\n{where}" if where else "")
+
     def _end(self, what: Callable[[], str], waited: float, why: str, code: int) -> None:
         message = (f"zero_strategy: rank {self.rank} {why} for the {what()} ({waited:.0f} s). The other ranks did "
                    "not join this collective: they are waiting in a different one, or stopped. At stage 3 every rank "
@@ -91,6 +118,7 @@ class Watchdog:
                    f"this process (exit code {code}).")
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
+        rank_board.board().post("end", f"failed: {message}")  # for the ranks that wait at the end (job_end.py)
         os._exit(code)
 
 

@@ -20,6 +20,8 @@ ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
    groups of the trainable parameters; stage 3 broadcasts the buffers and ``shard_module``
    broadcasts and shards the parameters unit by unit. The optimizers are passed, so each gets flat
    groups of its own (see [Note: one owner of the flat groups]).
+   Then, at stage 3 over several ranks, Hugging Face models' ``generate`` keeps the ranks in step
+   (see [Note: synced generation] in generation.py).
 6. activation offload (``offload_activations``): hooks on the module enter it around each forward,
    for every front end (see [Note: activation offload in every front end]); after step 5, so that
    they enclose the stage-3 sharder's.
@@ -50,6 +52,7 @@ from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from ..engine.flat import FlatGroup
 from ..engine.materialize import materialize_buffers
+from ..generation import sync_generation
 from .precision import WorkingPrecision
 
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
@@ -155,6 +158,7 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
         sync_module(module, comm, config.stage)
         if config.stage == 3 or built:
             model.sharder = shard_module(module, config, comm, device, built)
+    sync_generation(module, config.stage, comm)
     if config.offload_activations:  # 6
         offload_activations_in_forward(module)
     return add_optimizers(model, built)  # 7
