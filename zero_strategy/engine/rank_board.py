@@ -29,7 +29,8 @@ made only by a rank that has waited more than a slice of the watchdog (see [Note
 from __future__ import annotations
 
 import threading
-from typing import Optional
+import weakref
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -59,14 +60,32 @@ def advice_for(*labels: str) -> str:
 class RankBoard:
     """This rank's boundaries and notes on the store, and the others' as read back (see [Note: the rank board])."""
 
-    def __init__(self, store: Optional[dist.Store], rank: int, world_size: int) -> None:
-        self.store = store
+    def __init__(self, store: Optional[dist.Store], rank: int, world_size: int, group: object = None) -> None:
+        self._store = store  # a store of its own (tests); None with ``group``: that group's, while it lasts
+        self._group = weakref.ref(group) if group is not None else None  # not kept alive by the board
+        self._gone = False  # a write failed: the store's host ended
         self.rank = rank
         self.world_size = world_size
         self.labels: list[str] = []  # this rank's boundaries, in order
         self._seen: set[int] = set()  # ranks that have posted a count
         self._suspect: Optional[tuple[int, int]] = None  # (rank, its count) seen past this rank at the last read
         self._lock = threading.Lock()
+
+    @property
+    def store(self) -> Optional[dist.Store]:
+        """The store to post on, or None. The default group's store is looked up at each use, never kept:
+        a reference held here would keep a destroyed group's TCP store serving on its port (a Hydra
+        multirun's next job then meets the last job's store)."""
+        if self._gone:
+            return None
+        if self._group is None:
+            return self._store
+        if not (dist.is_initialized() and dist.group.WORLD is self._group()):
+            return None
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:  # no store we can read: the board is off
+            return None
 
     @property
     def enabled(self) -> bool:
@@ -86,7 +105,7 @@ class RankBoard:
                 self.store.set(self._key(self.rank, n), label)  # type: ignore[union-attr]
                 self.store.set(self._key(self.rank, "n"), str(n))  # type: ignore[union-attr]
             except Exception:  # the store is gone (a peer that hosted it ended): nothing to tell anyone
-                self.store = None
+                self._gone = True
 
     def note(self, text: str) -> None:
         """Where this rank is, for the others' messages only (never compared)."""
@@ -94,7 +113,7 @@ class RankBoard:
             try:
                 self.store.set(self._key(self.rank, "note"), text)  # type: ignore[union-attr]
             except Exception:
-                self.store = None
+                self._gone = True
 
     # ---- the end of the process: see [Note: a failed rank fails the job] in frontend/job_end.py ----
 
@@ -104,7 +123,7 @@ class RankBoard:
             try:
                 self.store.set(self._key(self.rank, what), text)  # type: ignore[union-attr]
             except Exception:
-                self.store = None
+                self._gone = True
 
     def posted(self, what: str) -> dict[int, str]:
         """The other ranks' ``what``, for those that posted it (raises when the store is gone)."""
@@ -192,23 +211,19 @@ class RankBoard:
 
 
 _board: Optional[RankBoard] = None
-_board_group: object = None
+_board_group: Callable[[], object] = lambda: None  # a weak reference to the group of `_board`
 
 
 def board() -> RankBoard:
     """This process's board over the default process group (an inactive one without a group)."""
     global _board, _board_group
     group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    if _board is None or _board_group is not group:
-        store = None
-        if group is not None:
-            try:
-                store = dist.distributed_c10d._get_default_store()
-            except Exception:  # no store we can read: the board stays off
-                store = None
-        _board = RankBoard(store, dist.get_rank() if group is not None else 0,
-                           dist.get_world_size() if group is not None else 1)
-        _board_group = group
+    if _board is None or _board_group() is not group:
+        if group is None:
+            _board = RankBoard(None, 0, 1)
+        else:
+            _board = RankBoard(None, dist.get_rank(), dist.get_world_size(), group=group)
+        _board_group = weakref.ref(group) if group is not None else lambda: None
     return _board
 
 
