@@ -44,11 +44,13 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "ZeroOptimizer": "engine", "gathered_parameters": "engine.parameters",
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",
+    "load_pretrained": "pretrained", "sharded_init": "pretrained",
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "deepspeed_config", "engine",
-               "fabric", "frontend", "kernels", "memory", "models", "precision", "strategy")
+               "fabric", "frontend", "kernels", "memory", "models", "precision", "pretrained",
+               "strategy")
 
 __all__ = sorted(_PUBLIC_NAMES)
 

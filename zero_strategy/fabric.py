@@ -67,6 +67,7 @@ from .frontend.options import (DeepSpeedConfig, ProcessLayout, barrier, broadcas
                                engine_arguments, process_group_backend, read_options)
 from .frontend.precision import generic_precision_name
 from .memory import memory_stats
+from .pretrained import sharded_init
 
 log = logging.getLogger(__name__)
 
@@ -272,13 +273,13 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         model never exists whole on a rank (see [Note: init-time sharding] in engine/materialize.py)."""
         if self.config.stage == 3 and empty_init:
             stack = ExitStack()
-            stack.enter_context(torch.device("meta"))
+            stack.enter_context(sharded_init())  # recorded on meta; from_pretrained streams (pretrained.py)
             stack.enter_context(self.precision.module_init_context())
             return stack
         return super().module_init_context(empty_init)
 
     def module_sharded_context(self) -> AbstractContextManager:
-        return torch.device("meta") if self.config.stage == 3 else nullcontext()
+        return sharded_init() if self.config.stage == 3 else nullcontext()
 
     def module_to_device(self, module: nn.Module) -> None:
         move_module(module, self.root_device)  # meta tensors stay: see [Note: the order of setup]

@@ -45,7 +45,7 @@ from ..checkpoint.sharded import flat_groups
 from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from ..engine.flat import FlatGroup
-from ..engine.materialize import materialize_buffers
+from ..engine.materialize import fill_deferred, materialize_buffers
 from .precision import WorkingPrecision
 
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
@@ -143,7 +143,18 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
         sync_module(module, comm, config.stage)
         if config.stage == 3 or built:
             model.sharder = shard_module(module, config, comm, device, built)
+        if config.stage == 3:  # pretrained or recorded values into the shards: see [Note: init-time sharding]
+            fill_deferred(module, model.sharder.groups, _rank0_rng(comm, device), device)
     return add_optimizers(model, built)  # 6
+
+
+def _rank0_rng(comm: Collectives, device: torch.device) -> Callable[[torch.Tensor], None]:
+    """Broadcast a CPU random state from rank 0, in place (through ``device``: NCCL sends no CPU tensor)."""
+    def broadcast(state: torch.Tensor) -> None:
+        on_device = state.to(device)
+        comm.broadcast(on_device, src=0, what=lambda: "broadcast of rank 0's random state for the model's replay")
+        state.copy_(on_device.cpu())
+    return broadcast
 
 
 def add_optimizers(model: EngineModel, optimizers: Sequence[torch.optim.Optimizer],

@@ -1,0 +1,151 @@
+"""Pretrained weights into the shards (load_pretrained, from_pretrained in the init context) and models
+built from a config inside it, against plain torch / DDP on the same seed and data."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from zero_strategy import ZeroConfig
+from zero_strategy.engine import Collectives
+from zero_strategy.frontend.precision import WorkingPrecision
+from zero_strategy.frontend.setup import setup_engine
+from zero_strategy.pretrained import PretrainedMismatchError, load_pretrained, sharded_init
+
+from .distributed import run_distributed
+
+transformers = pytest.importorskip("transformers")
+STEPS = 4
+VOCAB = 64
+
+
+def _gpt2_config(**extra):
+    return transformers.GPT2Config(**{**dict(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                             eos_token_id=0), **extra})
+
+
+def _bert_config(**extra):
+    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=16, num_labels=3,
+                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+
+
+MODELS = {"gpt2": (lambda: transformers.GPT2LMHeadModel, _gpt2_config),
+          "bert": (lambda: transformers.BertForSequenceClassification, _bert_config)}
+
+
+def _loss(name, model, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, VOCAB, (2, 12), generator=g)
+    if name == "gpt2":
+        return model(input_ids=x, labels=x).loss
+    return model(input_ids=x, labels=torch.randint(0, 3, (2,), generator=g)).loss
+
+
+def _save_perturbed(name, path, dtype=torch.float32, **save):
+    """A model saved with save_pretrained: random init, then perturbed so that no init equals it."""
+    cls, config = MODELS[name]
+    torch.manual_seed(7)
+    model = cls()(config())
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    model.to(dtype).save_pretrained(path, **save)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    # GPT-2 in several files with an index (tied lm_head saved once), BERT as one bf16 file
+    return {"gpt2": str(_save_perturbed("gpt2", root / "gpt2", max_shard_size="40KB")),
+            "bert": str(_save_perturbed("bert", root / "bert", dtype=torch.bfloat16))}
+
+
+def _train(name, model, opt, rank):
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = _loss(name, model, step, rank)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _zero_run(name, path, stage, entry, rank):
+    cls, config = MODELS[name]
+    torch.manual_seed(3)  # an init that differs from the checkpoint's, so that a weight not loaded shows
+    if entry == "from_pretrained":
+        with sharded_init():
+            model = cls().from_pretrained(path, dtype=torch.float32)
+        model.train()
+    elif entry == "before_setup" and stage == 3:
+        with sharded_init():
+            model = cls()(config())
+        load_pretrained(model, path)
+    else:
+        model = cls()(config())
+        if entry == "before_setup":
+            load_pretrained(model, path)
+    zero = ZeroConfig(stage=stage, param_persistence_threshold=0, bucket_cap_mb=0.01)
+    engine = setup_engine(model, zero, WorkingPrecision(), Collectives(), torch.device("cpu"),
+                          lambda: [torch.optim.AdamW(model.parameters(), lr=1e-3)])
+    if entry == "after_setup":
+        load_pretrained(model, path)
+    sharded = stage < 3 or all(p.numel() == 0 for u in engine.sharder.units for g in u.groups for p in g.params)
+    return _train(name, model, engine.optimizers[0], rank), sharded
+
+
+def _load_and_train(rank, world_size, checkpoints):
+    out = {}
+    for name, path in checkpoints.items():
+        cls = MODELS[name][0]()
+        reference = cls.from_pretrained(path, dtype=torch.float32)  # plain transformers, whole
+        reference.train()
+        ddp = DistributedDataParallel(reference)
+        out[(name, "ddp")] = _train(name, ddp, torch.optim.AdamW(reference.parameters(), lr=1e-3), rank)
+        for stage in (1, 2, 3):
+            for entry in ("before_setup", "after_setup") + (("from_pretrained",) if stage == 3 else ()):
+                out[(name, stage, entry)] = _zero_run(name, path, stage, entry, rank)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_pretrained_weights_load_into_shards_and_train_as_ddp(checkpoints):
+    for out in run_distributed(_load_and_train, 2, checkpoints):
+        for key, value in out.items():
+            if key[1] == "ddp":
+                continue
+            losses, sharded = value
+            want = out[(key[0], "ddp")]
+            assert sharded, key
+            # the first loss is the pretrained model's on this rank's batch; the steps follow DDP's
+            assert losses[0] == pytest.approx(want[0], rel=1e-6), key
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=0, msg=str(key))
+
+
+def test_a_mismatch_is_refused_before_anything_is_loaded(checkpoints):
+    cls = transformers.GPT2LMHeadModel
+    for config, says in ((_gpt2_config(n_layer=3), "missing from the checkpoint: ['transformer.h.2."),
+                         (_gpt2_config(n_positions=32), "wrongly shaped: ['transformer.wpe.weight: checkpoint (16, 32) "
+                                                        "vs model (32, 32)']")):
+        model = cls(config)
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(PretrainedMismatchError, match="nothing was loaded") as refused:
+            load_pretrained(model, checkpoints["gpt2"])
+        assert says in str(refused.value)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model = cls(_gpt2_config(n_layer=3))  # strict=False loads what matches, and says what did not
+    with pytest.warns(UserWarning, match="keys of the model are not in the checkpoint"):
+        plan = load_pretrained(model, checkpoints["gpt2"], strict=False)
+    assert plan.missing and not plan.unexpected
+    reference = cls.from_pretrained(checkpoints["gpt2"])
+    assert torch.equal(model.transformer.h[1].mlp.c_fc.weight, reference.transformer.h[1].mlp.c_fc.weight)
+    with pytest.raises(PretrainedMismatchError, match="unexpected"):  # a prefix the module's names lack
+        load_pretrained(cls(_gpt2_config()), checkpoints["gpt2"], prefix="model.")
