@@ -149,3 +149,82 @@ def test_a_mismatch_is_refused_before_anything_is_loaded(checkpoints):
     assert torch.equal(model.transformer.h[1].mlp.c_fc.weight, reference.transformer.h[1].mlp.c_fc.weight)
     with pytest.raises(PretrainedMismatchError, match="unexpected"):  # a prefix the module's names lack
         load_pretrained(cls(_gpt2_config()), checkpoints["gpt2"], prefix="model.")
+
+
+# ---- built from a config inside the init context: the eager build, bit for bit ------------------
+
+
+def _arch(name):
+    tf = transformers
+    small = dict(vocab_size=VOCAB)
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(_gpt2_config())
+    if name == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=2, num_key_value_heads=1,
+                                                  max_position_embeddings=16, **small))
+    if name == "bart":
+        return tf.BartForConditionalGeneration(tf.BartConfig(
+            d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, **small))
+    if name == "t5":
+        return tf.T5ForConditionalGeneration(tf.T5Config(d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                                         dropout_rate=0.0, decoder_start_token_id=0, **small))
+    return tf.ViTForImageClassification(tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                     intermediate_size=64, image_size=16, patch_size=4, num_labels=3,
+                                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _arch_loss(name, model, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if name == "vit":
+        return model(pixel_values=torch.randn(2, 3, 16, 16, generator=g), labels=torch.randint(0, 3, (2,), generator=g)).loss
+    x = torch.randint(3, VOCAB, (2, 12), generator=g)
+    if name in ("bart", "t5"):
+        return model(input_ids=x, labels=x.flip(1)).loss
+    return model(input_ids=x, labels=x).loss
+
+
+ARCHS = ("gpt2", "llama", "bart", "t5", "vit")
+
+
+def _built_from_config(rank, world_size):
+    out = {}
+    for name in ARCHS:
+        torch.manual_seed(0)
+        eager = _arch(name)
+        want = {**eager.state_dict(), **dict(eager.named_buffers())}
+        torch.manual_seed(0)
+        with sharded_init():
+            model = _arch(name)
+        on_meta = all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        engine = setup_engine(model, ZeroConfig(stage=3, param_persistence_threshold=0), WorkingPrecision(),
+                              Collectives(), torch.device("cpu"), lambda: [torch.optim.AdamW(model.parameters(), lr=1e-3)])
+        got = {**engine.sharder.full_state_dict(), **dict(model.named_buffers())}
+        differ = sorted(k for k in want if not torch.equal(want[k], got[k]))
+        ddp = DistributedDataParallel(eager)
+        reference = _train_arch(name, ddp, torch.optim.AdamW(eager.parameters(), lr=1e-3), rank)
+        out[name] = (on_meta, sorted(want) == sorted(got), differ, _train_arch(name, model, engine.optimizers[0], rank),
+                     reference)
+    return out
+
+
+def _train_arch(name, model, opt, rank):
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = _arch_loss(name, model, step, rank)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(240)
+def test_models_built_from_configs_at_stage_3_equal_their_eager_build_and_train_as_ddp():
+    for out in run_distributed(_built_from_config, 2):
+        for name, (on_meta, same_keys, differ, losses, reference) in out.items():
+            assert on_meta and same_keys, name
+            assert differ == [], f"{name}: {differ[:5]} differ from the eager build"  # weights and buffers
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-6, atol=0, msg=name)
