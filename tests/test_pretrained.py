@@ -67,12 +67,12 @@ def checkpoints(tmp_path_factory):
             "bert": str(_save_perturbed("bert", root / "bert", dtype=torch.bfloat16))}
 
 
-def _train(name, model, opt, rank):
+def _train(name, model, opt, rank, backward=torch.Tensor.backward):
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
         loss = _loss(name, model, step, rank)
-        loss.backward()
+        backward(loss)
         opt.step()
         losses.append(loss.item())
     return losses
@@ -228,3 +228,81 @@ def test_models_built_from_configs_at_stage_3_equal_their_eager_build_and_train_
             assert on_meta and same_keys, name
             assert differ == [], f"{name}: {differ[:5]} differ from the eager build"  # weights and buffers
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-6, atol=0, msg=name)
+
+
+# ---- the ways users try: from_pretrained in configure_model, init_module, load_raw ---------------
+
+
+def _front_ends(rank, world_size, path):
+    import os
+
+    import lightning as L
+
+    from zero_strategy import ZeroStrategy
+    from zero_strategy.fabric import ZeroFabricStrategy
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes exist already, as under torchrun
+    cls = transformers.GPT2LMHeadModel
+
+    class FineTune(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            if not hasattr(self, "model"):
+                self.model = cls.from_pretrained(path)
+                self.model.train()
+
+        def training_step(self, batch, batch_idx):
+            loss = _loss("gpt2", self.model, batch_idx, self.global_rank)
+            self.losses.append(loss.item())
+            return loss
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.zeros(STEPS * world_size, 1), batch_size=1)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    out = {}
+    for stage in (1, 2, 3):
+        module = FineTune()
+        trainer = L.Trainer(strategy=ZeroStrategy(stage=stage, param_persistence_threshold=0), accelerator="cpu",
+                            devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module)
+        out[("trainer", stage)] = module.losses
+
+        fabric = L.Fabric(strategy=ZeroFabricStrategy(stage=stage, param_persistence_threshold=0), accelerator="cpu",
+                          devices=world_size)
+        fabric.launch()
+        with fabric.init_module(empty_init=True):
+            model = cls.from_pretrained(path)
+        model.train()
+        on_meta = all(p.is_meta for p in model.parameters())
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        out[("init_module", stage)] = (on_meta, _train("gpt2", model, opt, rank, fabric.backward))
+        if stage == 3:  # load_raw into a model set up already: each rank reads its slices
+            torch.manual_seed(5)
+            model = cls(_gpt2_config())
+            model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+            fabric.load_raw(path, model)
+            out[("load_raw", stage)] = _train("gpt2", model, opt, rank, fabric.backward)
+    reference = cls.from_pretrained(path)
+    reference.train()
+    out["ddp"] = _train("gpt2", DistributedDataParallel(reference), torch.optim.AdamW(reference.parameters(), lr=1e-3),
+                        rank)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_from_pretrained_in_configure_model_and_init_module_and_load_raw_train_as_ddp(checkpoints):
+    for out in run_distributed(_front_ends, 2, checkpoints["gpt2"]):
+        want = torch.tensor(out.pop("ddp"))
+        for key, got in out.items():
+            if key[0] == "init_module":
+                on_meta, got = got
+                assert on_meta == (key[1] == 3), key
+            assert got[0] == pytest.approx(want[0].item(), rel=1e-6), key
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=0, msg=str(key))

@@ -109,6 +109,14 @@ def weight_files(path: Union[str, os.PathLike]) -> list[Path]:
     return [path]
 
 
+def is_pretrained_path(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is safetensors weights: a .safetensors file, an index .json, or a directory with one."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+    return path.is_file() and (path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"))
+
+
 class PretrainedFiles:
     """The tensors of a set of safetensors files, read by element range (see [Note: reading pretrained
     slices]). Close it (or use it as a context manager) to close the files."""
