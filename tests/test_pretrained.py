@@ -3,6 +3,7 @@ built from a config inside it, against plain torch / DDP on the same seed and da
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -306,3 +307,56 @@ def test_from_pretrained_in_configure_model_and_init_module_and_load_raw_train_a
                 assert on_meta == (key[1] == 3), key
             assert got[0] == pytest.approx(want[0].item(), rel=1e-6), key
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=0, msg=str(key))
+
+
+# ---- LoRA on a pretrained base: the frozen base sharded, only the adapters with optimizer state -----
+
+
+def _lora(model, checkpointing):
+    import peft
+
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
+                                                      lora_dropout=0.0, fan_in_fan_out=True))
+
+
+def _lora_runs(rank, world_size, path):
+    from zero_strategy import memory_stats
+
+    cls = transformers.GPT2LMHeadModel
+    out = {}
+    torch.manual_seed(9)
+    reference = _lora(cls.from_pretrained(path), checkpointing=False)
+    reference.train()
+    adapters = sum(p.numel() for p in reference.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in reference.parameters())
+    out["ddp"] = _train("gpt2", DistributedDataParallel(reference),
+                        torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2), rank)
+    for stage in (1, 2, 3):
+        for checkpointing in (False, True):
+            torch.manual_seed(9)
+            with sharded_init() if stage == 3 else contextlib.nullcontext():
+                model = _lora(cls.from_pretrained(path), checkpointing)
+            model.train()
+            engine = setup_engine(model, ZeroConfig(stage=stage, param_persistence_threshold=0), WorkingPrecision(),
+                                  Collectives(), torch.device("cpu"),
+                                  lambda: [torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                             lr=1e-2)])
+            losses = _train("gpt2", model, engine.optimizers[0], rank)
+            out[(stage, checkpointing)] = (losses, memory_stats(model, engine.optimizers))
+    return out, adapters, total
+
+
+@pytest.mark.timeout(300)
+def test_lora_on_a_pretrained_base_trains_as_ddp_at_every_stage(checkpoints):
+    pytest.importorskip("peft")
+    for out, adapters, total in run_distributed(_lora_runs, 2, checkpoints["gpt2"]):
+        want = torch.tensor(out.pop("ddp"))
+        for (stage, checkpointing), (losses, memory) in out.items():
+            torch.testing.assert_close(torch.tensor(losses), want, rtol=1e-5, atol=0, msg=str((stage, checkpointing)))
+            # only the adapters carry Adam's two fp32 states, each rank a half (+ step counts and padding)
+            assert 8 * adapters / 2 <= memory["optimizer_states"] <= 8 * adapters / 2 * 1.1 + 1024, memory
+            if stage == 3:  # the frozen base is sharded like the rest: half of every weight on each rank
+                assert memory["params"] <= 4 * total / 2 * 1.05 + 4096, (memory, total)
