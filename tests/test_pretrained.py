@@ -82,7 +82,7 @@ def _train(name, model, opt, rank, backward=torch.Tensor.backward):
 def _zero_run(name, path, stage, entry, rank):
     cls, config = MODELS[name]
     torch.manual_seed(3)  # an init that differs from the checkpoint's, so that a weight not loaded shows
-    if entry == "from_pretrained":
+    if entry == "from_pretrained":  # stages 1-2: as a plain loop opening the context itself builds it
         with sharded_init():
             model = cls().from_pretrained(path, dtype=torch.float32)
         model.train()
@@ -112,7 +112,7 @@ def _load_and_train(rank, world_size, checkpoints):
         ddp = DistributedDataParallel(reference)
         out[(name, "ddp")] = _train(name, ddp, torch.optim.AdamW(reference.parameters(), lr=1e-3), rank)
         for stage in (1, 2, 3):
-            for entry in ("before_setup", "after_setup") + (("from_pretrained",) if stage == 3 else ()):
+            for entry in ("before_setup", "after_setup", "from_pretrained"):
                 out[(name, stage, entry)] = _zero_run(name, path, stage, entry, rank)
     return out
 

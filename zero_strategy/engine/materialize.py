@@ -221,3 +221,19 @@ def fill_deferred(module: nn.Module, groups: Sequence[FlatGroup], broadcast_rng:
             target = m._buffers[name]
             m._buffers[name] = source.read(0, target.numel()).view(target.shape).to(device=device, dtype=target.dtype)
         forget(module=m, name=name)
+
+
+def materialize_whole(module: nn.Module, device: torch.device, broadcast_rng: Callable[[torch.Tensor], None]) -> None:
+    """Stages 1-2, where every rank holds the whole model anyway: a model built inside the init context
+    (recorded, or with pretrained sources) gets its tensors on ``device`` and their values, read once
+    into them (no second copy). Meta tensors with neither are left for ``sync_module`` to refuse."""
+    owners = [m for m in module.modules()
+              if any(p.is_meta for p in m.parameters(recurse=False)) or any(b.is_meta for b in m.buffers(recurse=False))]
+    deferred = [m for m in owners if all(_deferred_param(p) for p in m.parameters(recurse=False) if p.is_meta)
+                and all(_deferred_buffer(m, n) for n, b in m.named_buffers(recurse=False) if b.is_meta)]
+    if not deferred:
+        return
+    for m in deferred:
+        _allocate(m, device)
+    fill_deferred(module, [], broadcast_rng, device)
+

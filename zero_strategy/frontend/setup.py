@@ -45,7 +45,7 @@ from ..checkpoint.sharded import flat_groups
 from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from ..engine.flat import FlatGroup
-from ..engine.materialize import fill_deferred, materialize_buffers
+from ..engine.materialize import fill_deferred, materialize_buffers, materialize_whole
 from .precision import WorkingPrecision
 
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
@@ -140,6 +140,8 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
     else:
         if config.stage == 3:
             materialize_buffers(module, device)
+        else:  # a model built inside the init context: whole, as stages 1-2 hold it
+            materialize_whole(module, device, _rank0_rng(comm, device))
         sync_module(module, comm, config.stage)
         if config.stage == 3 or built:
             model.sharder = shard_module(module, config, comm, device, built)
