@@ -51,12 +51,14 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "ZeroOptimizer": "engine", "gathered_parameters": "engine.parameters",
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",
+    "load_pretrained": "pretrained", "sharded_init": "pretrained",
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
     "any_rank_busy": "generation", "Join": "engine.join",  # ranks whose work differs: see the README
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
-               "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "strategy")
+               "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "pretrained",
+               "strategy")
 # what `import zero_strategy as deepspeed` scripts reach as deepspeed.<name> (see zero_strategy/deepspeed/)
 _SUBMODULES += ("accelerator", "checkpointing", "comm", "moe", "ops", "pipe", "utils", "zero")
 

@@ -49,6 +49,7 @@ from .frontend.job_end import watch_the_job
 from .frontend.setup import engine_config
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
+from .pretrained import sharded_init
 
 _SHARDED = "_zero_sharded_checkpoint"  # a loaded checkpoint's reader, for the load hooks below
 # what Lightning's restore requires of a checkpoint, which one that another front end wrote (Fabric's,
@@ -273,7 +274,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         if self.config.stage != 3:
             yield
             return
-        with torch.device("meta"):
+        with sharded_init():  # recorded on meta; from_pretrained streams its files (pretrained.py)
             yield
 
     @property
