@@ -364,3 +364,57 @@ def test_lora_on_a_pretrained_base_trains_as_ddp_at_every_stage(checkpoints):
             assert expect["optimizer_states"] <= memory["optimizer_states"] <= expect["optimizer_states"] * 1.1 + 1024
             if stage == 3:  # the frozen base is sharded like the rest: half of every weight on each rank
                 assert expect["params"] <= memory["params"] <= expect["params"] * 1.05 + 4096, (memory, expect)
+
+
+# ---- every rank intercepts from_pretrained, whatever it imported before --------------------------
+
+
+FIRST_IMPORT_INSIDE = """
+import sys
+from zero_strategy.pretrained import sharded_init
+from zero_strategy.engine.materialize import _param_sources
+assert "transformers.modeling_utils" not in sys.modules
+with sharded_init():
+    from transformers import GPT2LMHeadModel  # first imported here, as in a configure_model
+    model = GPT2LMHeadModel.from_pretrained(sys.argv[1])
+params = list(model.parameters())
+assert all(p.is_meta for p in params) and all(p in _param_sources for p in params), "loaded whole"
+assert GPT2LMHeadModel.from_pretrained.__func__.__module__.startswith("transformers"), "left patched"
+print("streamed", len(params))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_from_pretrained_is_intercepted_when_transformers_is_first_imported_inside(checkpoints):
+    """A configure_model that imports transformers itself: intercepted as when it was imported before.
+    (Before, only ranks that had imported it did, and the ranks' stage-3 setups paired up wrongly:
+    NaN losses on a real fine-tune.)"""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FIRST_IMPORT_INSIDE, checkpoints["gpt2"]], capture_output=True,
+                          text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "streamed" in proc.stdout
+
+
+def _built_two_ways(rank, world_size):
+    """Rank 0 builds on meta (inside the init context), rank 1 eagerly: both refuse, naming the cause."""
+    context = sharded_init() if rank == 0 else contextlib.nullcontext()
+    torch.manual_seed(0)
+    with context:
+        model = transformers.GPT2LMHeadModel(_gpt2_config())
+    config = ZeroConfig(stage=3, param_persistence_threshold=0)
+    try:
+        setup_engine(model, config, WorkingPrecision(), Collectives(), torch.device("cpu"),
+                     lambda: [torch.optim.SGD(model.parameters(), lr=0.1)])
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_build_the_model_in_different_ways_are_refused():
+    for message in run_distributed(_built_two_ways, 2):
+        assert message is not None and "on the meta device on rank" in message
+        assert "Build it the same way on every rank" in message

@@ -22,6 +22,8 @@ and missing ones keep the model's own initialisation). transformers is never tol
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import os
 import re
 import sys
@@ -250,17 +252,59 @@ def _plan_as_transformers_does(model: nn.Module, files: PretrainedFiles) -> Load
 
 @contextlib.contextmanager
 def _from_pretrained_patched() -> Iterator[None]:
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is None:  # transformers not imported: nothing to intercept
-        yield
-        return
-    cls = modeling.PreTrainedModel
-    original = cls.__dict__["from_pretrained"]
-    cls.from_pretrained = classmethod(_from_pretrained_sharded)
+    """``PreTrainedModel.from_pretrained`` replaced while open, also when transformers is first imported
+    inside (``from transformers import ...`` in ``configure_model``): every rank must intercept it,
+    whatever it imported before."""
+    patched: list[tuple[type, Any]] = []
+
+    def patch(modeling: Any) -> None:
+        cls = modeling.PreTrainedModel
+        patched.append((cls, cls.__dict__["from_pretrained"]))
+        cls.from_pretrained = classmethod(_from_pretrained_sharded)
+
+    modeling = sys.modules.get(_MODELING)
+    hook = None
+    if modeling is not None:
+        patch(modeling)
+    else:
+        hook = _PatchOnImport(patch)
+        sys.meta_path.insert(0, hook)
     try:
         yield
     finally:
-        cls.from_pretrained = original
+        if hook is not None:
+            sys.meta_path.remove(hook)
+        for cls, original in patched:
+            cls.from_pretrained = original
+
+
+_MODELING = "transformers.modeling_utils"
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` once transformers' modeling module is imported (the real finders find it)."""
+
+    def __init__(self, patch: Any) -> None:
+        self.patch = patch
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _MODELING:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        loader, patch = spec.loader, self.patch
+
+        class PatchingLoader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                patch(module)
+
+        spec.loader = PatchingLoader()
+        return spec
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""Fine-tune a pretrained GPT-2 with ZeRO (stage 2 by default, --stage 3) on 2 CPU processes: ``from_pretrained`` in
-``configure_model`` streams each rank's shards from the safetensors files, so no rank ever holds the
+"""Fine-tune a pretrained GPT-2 with ZeRO (stage 3 by default, --stage 1 or 2) on 2 CPU processes: ``from_pretrained`` in
+``configure_model`` streams each rank's shards (stage 3) from the safetensors files, so no rank ever holds the
 whole model; ``--lora`` trains peft LoRA adapters on the frozen, sharded base.
 
     python examples/finetune_pretrained/train.py                  # ~1 min on 2 CPU cores
@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pretrained", default="pretrained_gpt2", help="a Hugging Face model directory")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen base")
-    parser.add_argument("--stage", type=int, default=2, help="3 trains, but its logged validation loss is NaN on 2 ranks (open)")
+    parser.add_argument("--stage", type=int, default=3, help="ZeRO stage (1-3)")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)

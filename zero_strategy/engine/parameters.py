@@ -209,16 +209,27 @@ class FlatParameters:
         return groups
 
     def _agree_on_plan(self) -> None:
-        """Every rank must cut the same units, or their all-gathers would not pair up."""
-        mine = [(u.name, sum(p.numel() for p in u.params)) for u in self.plan.units]
+        """Every rank must cut the same units, or their all-gathers would not pair up; and build the same
+        ones on the meta device, since a unit built there is filled from its recorded sources while a
+        real one is broadcast from rank 0 (the collectives would pair up wrongly, filling the shards
+        with another unit's bytes)."""
+        mine = [(u.name, sum(p.numel() for p in u.params), sum(p.is_meta for p in u.params)) for u in self.plan.units]
         plans = self.comm.all_gather_object(mine)
         for rank, theirs in enumerate(plans):
-            if theirs != mine:
-                diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), (len(mine), len(theirs)))
+            if [u[:2] for u in theirs] != [u[:2] for u in mine]:
+                diff = next(((a[:2], b[:2]) for a, b in zip(mine, theirs) if a[:2] != b[:2]), (len(mine), len(theirs)))
                 raise ValueError(
                     f"ZeRO stage 3: rank {rank} planned other units than rank {self.comm.rank} (first difference: "
                     f"{diff[1]} there, {diff[0]} here): the ranks built different models. Build the same model on "
                     "every rank (same code, config and dtype).")
+            if theirs != mine:
+                name, _, here = next(a for a, b in zip(mine, theirs) if a != b)
+                there = next(b[2] for a, b in zip(mine, theirs) if a != b)
+                raise ValueError(
+                    f"ZeRO stage 3: unit {name!r} has {there} parameters on the meta device on rank {rank} and {here} "
+                    f"on rank {self.comm.rank}: the ranks built the model in different ways (one inside the "
+                    "strategy's init context, configure_model or sharded_init, the other outside it, or loaded "
+                    "eagerly). Build it the same way on every rank.")
 
     def _flatten(self, params: list[nn.Parameter], resident: bool) -> list[FlatGroup]:
         """Flat groups of ``params``, materialised first if they are meta (one unit at a time)."""
