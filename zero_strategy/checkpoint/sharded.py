@@ -24,6 +24,7 @@ from ..engine.optimizer import ZeroOptimizer
 from ..engine.parameters import ParameterSharder
 from ..engine.state import is_elementwise
 from . import store
+from .hf_plan import hf_record
 from .store import CheckpointError, CheckpointReader, RankWriter
 
 MODEL, MASTER = "model/", "master/"
@@ -203,6 +204,9 @@ def _finish(path: Path, checkpoint: dict[str, Any], module: nn.Module,
         "model_extra_state": extra,
         "optimizers": None if optimizers is None else _optimizer_records(optimizers, names, records),
     }
+    export_plan = hf_record(module)  # what zero-consolidate --hf writes: see checkpoint/hf_plan.py
+    if export_plan is not None:
+        state["zero_checkpoint"]["hf_export"] = export_plan
     trainer_state = store.write_trainer_state(tmp, state)
     index = {"format": store.FORMAT, "world_size": len(records), "stage": stage,
              "files": {rec.file: {"bytes": rec.bytes} for rec in records}, "tensors": tensors}
