@@ -292,6 +292,8 @@ def checkpoint_plan(saved: dict[str, Any], reader: CheckpointReader, prefix: Opt
     tensors = {k: by_stored.setdefault(stored, object()) for k, stored in saved["model_keys"].items()}
     canonical = sorted(keys, key=lambda k: saved["model_keys"][k] != MODEL + k)  # the stored name first
     plan = plain_plan(canonical, prefix, tensors)
+    if isinstance(record, dict) and "error" not in record:  # the keys as they are, the model's configs kept
+        plan.config, plan.generation_config = record.get("config"), record.get("generation_config")
     order = {k: i for i, k in enumerate(keys)}
     plan.entries.sort(key=lambda e: order[e.source])
     return plan
@@ -352,10 +354,10 @@ def guard_save_pretrained(module: nn.Module, export: Callable[..., Exported]) ->
     nothing. With ``state_dict=`` the caller gathered the weights: transformers' own method runs.
     """
     for path, sub in list(module.named_modules()):
-        if not (is_peft_model(sub) or is_pretrained_model(sub)):
+        own = getattr(type(sub), "save_pretrained", None)  # peft's LoraModel forwards it to the model inside
+        if own is None or not (is_peft_model(sub) or is_pretrained_model(sub)):
             continue
         prefix = path + "." if path else ""
-        own = type(sub).save_pretrained
         peft_model = is_peft_model(sub)
 
         def save_pretrained(save_directory: Any, *args: Any, is_main_process: Any = _UNSET, state_dict: Any = None,

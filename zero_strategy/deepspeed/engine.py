@@ -44,6 +44,7 @@ from ..activation import offload_activations
 from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer
 from ..frontend import EngineModel, WorkingPrecision, clip_grad_norm, setup_engine
+from ..frontend.pretrained import save_pretrained
 from . import engine_checkpoint
 from .config import DeepSpeedSettings, map_deepspeed_config
 from .engine_parts import (build_dataloader, build_optimizer, build_scheduler, check_batch_sizes, engine_device,
@@ -202,6 +203,11 @@ class ZeroEngine(nn.Module):
         with a warning when ``load_dir`` has no ``latest`` file (as DeepSpeed). A collective."""
         return engine_checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                       load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def save_pretrained(self, save_directory: Any, **options: Any) -> Any:
+        """Write the model in the Hugging Face layout from rank 0, one tensor gathered at a time; options as
+        ``zero_strategy.frontend.pretrained.save_pretrained``. A collective: call it on every rank."""
+        return save_pretrained(self.engine_model, save_directory, **options)
 
     def destroy(self) -> None:
         """Remove the engine's hooks from the model and delete disk-offload files."""

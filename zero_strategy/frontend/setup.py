@@ -47,6 +47,7 @@ from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from ..engine.flat import FlatGroup
 from ..engine.materialize import materialize_buffers
 from .precision import WorkingPrecision
+from .pretrained import guard_hf_save_pretrained
 
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
 
@@ -143,6 +144,8 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
         sync_module(module, comm, config.stage)
         if config.stage == 3 or built:
             model.sharder = shard_module(module, config, comm, device, built)
+        if config.stage == 3:  # transformers' own save_pretrained would write the empty shards
+            guard_hf_save_pretrained(model)
     return add_optimizers(model, built)  # 6
 
 
