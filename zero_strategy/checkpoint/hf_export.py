@@ -5,7 +5,7 @@ names, with which LoRA merges; a source gives each tensor whole, one at a time; 
 them into the shards as they come (see [Note: streaming safetensors]). So host memory holds about
 one tensor (a merged one: the weight, its adapters and the delta), never a shard file or the model.
 
-- ``export_checkpoint`` (``zero-consolidate CKPT_DIR --hf OUT_DIR``) reads a sharded checkpoint
+- ``export_hf_checkpoint`` (``zero-consolidate CKPT_DIR --hf OUT_DIR``) reads a sharded checkpoint
   offline: no process group, no model. Each tensor comes from its most precise saved values (the
   fp32 masters where the run kept them), read part by part from the rank files; the plan is the
   one the save recorded (``hf_record``), or, for a module that held no Hugging Face model, every
@@ -96,7 +96,10 @@ class CheckpointSource(_Source):
         return DTYPES[self.reader.tensors[self._stored(key)]["dtype"]]
 
     def fetch(self, key: str) -> Optional[torch.Tensor]:
-        return self.reader.full(self._stored(key))
+        try:
+            return self.reader.full(self._stored(key))
+        finally:
+            self.reader.close()  # the mapped pages read go with it: memory stays near one tensor
 
 
 class LiveSource(_Source):
@@ -151,10 +154,16 @@ def _merged(entry: Entry, source: _Source) -> Optional[torch.Tensor]:
     value = source.fetch(entry.source)
     for a_key, b_key, scaling, fan_in_fan_out in entry.merges:
         a, b = source.fetch(a_key), source.fetch(b_key)
-        if value is not None:
-            delta = b.to(value.dtype) @ a.to(value.dtype)
-            value = value + (delta.T if fan_in_fan_out else delta) * scaling
+        if value is not None:  # in fp32 at least (peft too casts half precision up on the CPU), rounded once
+            work = torch.promote_types(value.dtype, torch.float32)
+            delta = b.to(work) @ a.to(work)
+            value = value.to(work) + (delta.T if fan_in_fan_out else delta) * scaling
     return value
+
+
+def _out_dtype(source_dtype: torch.dtype, dtype: Optional[torch.dtype]) -> torch.dtype:
+    """``dtype`` for floating-point tensors; integer and boolean buffers keep theirs."""
+    return dtype if dtype is not None and source_dtype.is_floating_point else source_dtype
 
 
 class _Files:
@@ -180,7 +189,7 @@ class _Files:
 def _write_weights(files: _Files, folder: Path, entries: Sequence[Entry], source: _Source,
                    dtype: Optional[torch.dtype], max_bytes: int, single: str) -> tuple[list[str], int, dict[str, str]]:
     """Stream ``entries`` into shard files in ``folder``; returns the files, total bytes and weight map."""
-    specs = {e.out: (source.shape(e.source), dtype or source.dtype(e.source)) for e in entries}
+    specs = {e.out: (source.shape(e.source), _out_dtype(source.dtype(e.source), dtype)) for e in entries}
     sizes = [(e.out, layout.tensor_bytes(*specs[e.out])) for e in entries]
     shards = layout.plan_shards(sizes, max_bytes)
     names = layout.shard_file_names(len(shards), single)
@@ -299,7 +308,7 @@ def checkpoint_plan(saved: dict[str, Any], reader: CheckpointReader, prefix: Opt
     return plan
 
 
-def export_checkpoint(ckpt_dir: Any, out_dir: Any, dtype: Union[str, torch.dtype, None] = None,
+def export_hf_checkpoint(ckpt_dir: Any, out_dir: Any, dtype: Union[str, torch.dtype, None] = None,
                       max_shard_size: Union[int, str] = layout.DEFAULT_MAX_SHARD_SIZE, config: Any = None,
                       prefix: Optional[str] = None, adapter_dir: Optional[str] = DEFAULT_ADAPTER_DIR,
                       verify: bool = True) -> Exported:

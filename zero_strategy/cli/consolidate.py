@@ -41,7 +41,7 @@ from typing import Optional, Sequence, Union
 
 from ..checkpoint import (CheckpointError, consolidate_checkpoint, consolidate_deepspeed_checkpoint,
                           is_deepspeed_checkpoint)
-from ..checkpoint.hf_export import Exported, export_checkpoint
+from ..checkpoint.hf_export import Exported, export_hf_checkpoint
 from ..checkpoint.store import UnverifiedCheckpointWarning
 
 
@@ -100,7 +100,7 @@ def _consolidate(args: argparse.Namespace) -> Union[Path, Exported]:
                     raise CheckpointError(f"--hf reads this package's sharded checkpoints; {args.ckpt_dir} is a "
                                           "DeepSpeed one: consolidate it to a file first, or load it into a run and "
                                           "call its strategy's save_pretrained.")
-                exported = export_checkpoint(args.ckpt_dir, args.hf, dtype=args.dtype,
+                exported = export_hf_checkpoint(args.ckpt_dir, args.hf, dtype=args.dtype,
                                              max_shard_size=args.max_shard_size, config=args.config,
                                              prefix=args.prefix, verify=not args.no_verify,
                                              adapter_dir=None if args.no_adapter else args.adapter_dir)
