@@ -87,6 +87,70 @@ def _train_and_export(model: nn.Module, precision: str, folder: Path, rank: int)
     return {"refused": refused, "refused_wrote": (folder / f"refused{rank}").exists(), "logits": logits}
 
 
+def _tokens(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _front_ends(rank: int, folder: Path) -> dict:
+    """Each front end's door: the Trainer's strategy, Fabric's, and the ``initialize`` engine's
+    ``save_pretrained`` after two steps at stage 3, with the weights the job holds to compare."""
+    import lightning as L
+
+    from zero_strategy import ZeroStrategy, gathered_parameters, initialize
+
+    def gpt2() -> nn.Module:
+        torch.manual_seed(2)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+
+    def whole(model: nn.Module) -> dict:
+        with gathered_parameters(model):
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = gpt2()
+
+        def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
+            return self.model(input_ids=tokens[0], labels=tokens[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def on_train_end(self) -> None:  # every rank runs it
+            self.trainer.strategy.save_pretrained(folder / "trainer")
+            self.held = whole(self.model)
+
+    lit = Lit()
+    L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2, max_steps=2, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
+        lit, train_dataloaders=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(0, 0).repeat(4, 1)),
+                                                           batch_size=2))
+    held = {"trainer": lit.held}
+
+    fabric = L.Fabric(strategy="zero_stage_3", accelerator="cpu", devices=2)
+    fabric.launch()
+    model = gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    for step in range(2):
+        fabric.backward(model(input_ids=_tokens(step, rank), labels=_tokens(step, rank)).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.strategy.save_pretrained(model, folder / "fabric")
+    held["fabric"] = whole(model.module)
+
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    engine, _, _, _ = initialize(model=gpt2(), config=config)
+    for step in range(2):
+        engine.backward(engine(input_ids=_tokens(step, rank), labels=_tokens(step, rank)).loss)
+        engine.step()
+    engine.save_pretrained(folder / "initialize")
+    held["initialize"] = whole(engine.module)
+    return held
+
+
 def _runs(rank: int, world_size: int, folder: str) -> dict:
     folder = Path(folder)
     torch.manual_seed(0)
@@ -95,6 +159,7 @@ def _runs(rank: int, world_size: int, folder: str) -> dict:
     base = transformers.GPT2LMHeadModel.from_pretrained(folder / "base")  # the "pretrained" model, whole here
     lora = peft.get_peft_model(base, peft.LoraConfig(**LORA))
     results["lora"] = _train_and_export(lora, "32-true", folder / "lora", rank)
+    results["front_ends"] = _front_ends(rank, folder / "front_ends")
     return results
 
 
@@ -238,6 +303,15 @@ def test_save_pretrained_on_a_stage3_model_never_writes_empty_tensors(exported):
             assert "is_main_process=(rank == 0)" in result[run]["refused"] and not result[run]["refused_wrote"]
     for path in (folder / "plain" / "own").glob("*.safetensors"):
         assert all(v.numel() > 0 for v in load_file(path).values())
+
+
+def test_every_front_end_exports_the_weights_the_job_holds(exported):
+    folder, results = exported
+    for name, held in results[0]["front_ends"].items():
+        got, log = _from_pretrained(folder / "front_ends" / name)
+        assert "missing" not in log.lower() and "unexpected" not in log.lower(), (name, log)
+        for key, value in got.state_dict().items():
+            assert torch.equal(value, held[key]), (name, key)
 
 
 def test_sizes_and_shard_plans():
