@@ -113,7 +113,8 @@ def main() -> None:
         rows.append({"what": f"--hf --max-shard-size {size}", "peak_over_baseline": grown, "largest_shard": shard,
                      "largest_tensor": largest, "read_buffer": buffer, "model_bytes": model_bytes,
                      "seconds": result["seconds"]})
-        print(f"--hf --max-shard-size {size:>6}: peak RSS - baseline {grown / 2**20:5.0f} MiB = {grown / largest:.2f} x "
+        print(f"--hf --max-shard-size {size:>6}: peak RSS - baseline {grown / 2**20:5.0f} MiB = "
+              f"{grown / largest:.2f} x "
               f"the largest tensor, {grown / model_bytes:.2f} x the model; goal: largest shard file "
               f"{shard / 2**20:5.0f} MiB + read buffer {buffer / 2**20:4.0f} MiB = {(shard + buffer) / 2**20:5.0f} MiB "
               f"(ratio {grown / (shard + buffer):.2f}; {result['seconds']:.0f} s)")

@@ -216,7 +216,8 @@ def test_the_export_loads_with_from_pretrained_and_equals_the_consolidated_weigh
     reference.load_state_dict(want)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         weights = _weights(tmp_path / name)
-        assert sorted(weights) == sorted(k for k in want if k != "lm_head.weight")  # tied: written once, as transformers
+        # tied: written once, under the name transformers keeps
+        assert sorted(weights) == sorted(k for k in want if k != "lm_head.weight")
         for key, value in weights.items():
             assert value.dtype == dtype and torch.equal(value, want[key].to(dtype)), key
         got, log = _from_pretrained(tmp_path / name)

@@ -59,7 +59,8 @@ def export_dtype(name: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
     (each tensor keeps the dtype of its most precise saved values)."""
     if name is None or isinstance(name, torch.dtype):
         if name not in (None, *EXPORT_DTYPES.values()):
-            raise ValueError(f"dtype={name} cannot be exported; use one of torch.float32, torch.bfloat16, torch.float16.")
+            raise ValueError(f"dtype={name} cannot be exported; use one of torch.float32, torch.bfloat16, "
+                             "torch.float16.")
         return name
     key = str(name).lower().removeprefix("torch.")
     if key not in EXPORT_DTYPES:
@@ -72,7 +73,8 @@ def parse_size(size: Union[int, str]) -> int:
     """``"5GB"`` (decimal units, as transformers reads them; ``"5GiB"`` binary) or a number of bytes."""
     if isinstance(size, int) and not isinstance(size, bool):
         if size <= 0:
-            raise ValueError(f"max_shard_size={size} must be a positive number of bytes, such as 5_000_000_000 or '5GB'.")
+            raise ValueError(f"max_shard_size={size} must be a positive number of bytes, such as 5_000_000_000 or "
+                             "'5GB'.")
         return size
     text = str(size).strip().upper().replace(" ", "")
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)([KMGT]I?B)?", text)

@@ -66,7 +66,8 @@ class ExportPlan:
 
     def to_record(self) -> dict[str, Any]:
         """Plain data (strings, numbers, lists) for a checkpoint's trainer state, loadable with weights_only."""
-        return {"prefix": self.prefix, "entries": [[e.out, e.source, [list(m) for m in e.merges]] for e in self.entries],
+        return {"prefix": self.prefix,
+                "entries": [[e.out, e.source, [list(m) for m in e.merges]] for e in self.entries],
                 "config": self.config, "generation_config": self.generation_config,
                 "adapter_entries": [[e.out, e.source] for e in self.adapter_entries],
                 "adapter_config": self.adapter_config}
@@ -195,7 +196,8 @@ def _lora_layers(base: nn.Module) -> dict[str, nn.Module]:
 def _merged_entries(base: nn.Module, base_prefix: str, tensors: dict[str, Any]) -> list[Entry]:
     """The base model's keys with the active adapters merged (see [Note: merging LoRA in an export])."""
     tuners = _lora_layers(base)
-    wrappers = {n: m for n, m in base.named_modules() if hasattr(m, "original_module") and hasattr(m, "modules_to_save")}
+    wrappers = {n: m for n, m in base.named_modules()
+                if hasattr(m, "original_module") and hasattr(m, "modules_to_save")}  # peft's modules_to_save
     merges = {path: _lora_merges(path, layer, base_prefix) for path, layer in tuners.items()}
     entries = []
     for key in tensors:

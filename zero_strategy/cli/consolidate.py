@@ -51,11 +51,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("ckpt_dir", help="a sharded checkpoint directory written by ZeroStrategy, or a DeepSpeed one")
     parser.add_argument("out", nargs="?", help="the checkpoint file to write (optional with --hf)")
-    parser.add_argument("--hf", metavar="OUT_DIR", help="write a Hugging Face model directory (from_pretrained's layout)")
+    parser.add_argument("--hf", metavar="OUT_DIR",
+                        help="write a Hugging Face model directory (from_pretrained's layout)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="--hf: the dtype of every tensor written")
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="--hf: shard files of at most SIZE "
                         "(5GB, 500MB, 2GiB; default 5GB); one model.safetensors when the model fits one")
-    parser.add_argument("--config", metavar="PATH", help="--hf: the config.json to write (a file, or a model directory)")
+    parser.add_argument("--config", metavar="PATH",
+                        help="--hf: the config.json to write (a file, or a model directory)")
     parser.add_argument("--prefix", help="--hf: the attribute path of the model inside the LightningModule, stripped "
                         "from the keys (such as 'model.'; '' for none); default: the transformers model's")
     parser.add_argument("--adapter-dir", default="adapter", metavar="NAME",
