@@ -334,3 +334,16 @@ def test_bad_targets_are_refused_before_anything_is_written(exported, tmp_path, 
     assert "max_shard_size='lots'" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert consolidate([ckpt, "--hf", str(tmp_path / "y"), "--prefix", "nothing."]) == 2
     assert "prefix 'nothing.'" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ckpt, damaged)
+    data = bytearray((damaged / "rank_00001.safetensors").read_bytes())
+    header_bytes = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_bytes])
+    key = next(k for k in header if k.startswith("master/model.transformer.wte.weight@"))  # what the export reads
+    data[8 + header_bytes + header[key]["data_offsets"][0]] ^= 0xFF
+    (damaged / "rank_00001.safetensors").write_bytes(bytes(data))
+    shutil.copytree(folder / "plain" / "live", tmp_path / "earlier")
+    assert consolidate([str(damaged), "--hf", str(tmp_path / "earlier")]) == 2
+    assert "rank_00001.safetensors is damaged" in capsys.readouterr().err
+    assert _weights(tmp_path / "earlier").keys() == _weights(folder / "plain" / "live").keys()  # left as it was
+    assert not list(tmp_path.glob(".earlier*"))

@@ -23,6 +23,8 @@ written with its LoRA adapters merged into the base weights, and its adapter alo
 OUT_DIR/adapter (adapter_model.safetensors and adapter_config.json, for PeftModel.from_pretrained;
 --adapter-dir NAME elsewhere inside OUT_DIR, --no-adapter to leave it out). --dtype converts every
 tensor (default: the checkpoint's most precise values, the fp32 masters of a mixed-precision run).
+It checks each part it reads against its checksum (the optimizer state, which it does not read,
+is not checked); a damaged one fails the export, leaving an earlier export in OUT_DIR as it was.
 
 Every part of the checkpoint is checked against the checksum its save recorded before anything
 is written; a damaged file is an error (--no-verify writes it out anyway). Any failure prints
