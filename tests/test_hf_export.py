@@ -117,12 +117,13 @@ def _front_ends(rank: int, folder: Path) -> dict:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-        def on_train_end(self) -> None:  # every rank runs it
-            self.trainer.strategy.save_pretrained(folder / "trainer")
+        def on_train_end(self) -> None:  # every rank runs it; bf16: the masters rounded as the weights are
+            self.trainer.strategy.save_pretrained(folder / "trainer", dtype="bf16")
             self.held = whole(self.model)
 
     lit = Lit()
-    L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2, max_steps=2, logger=False,
+    L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2, max_steps=2, precision="bf16-mixed",
+              logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
         lit, train_dataloaders=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(0, 0).repeat(4, 1)),
                                                            batch_size=2))

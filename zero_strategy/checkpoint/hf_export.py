@@ -333,7 +333,7 @@ def export_module(module: nn.Module, groups: Sequence[FlatGroup], comm: Collecti
     directory from rank 0, gathering one tensor at a time. A collective: call it on every rank."""
     error, plan = "", None
     try:
-        plan = make_plan(module, prefix)
+        plan = make_plan(module, prefix, merge=not adapter_only)
         layout.export_dtype(dtype), layout.parse_size(max_shard_size)
     except Exception as err:  # noqa: BLE001 - every rank decides alike, but says so together
         error = f"{type(err).__name__}: {err}"

@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -166,8 +167,9 @@ def plain_plan(keys: list[str], prefix: str, tensors: Optional[dict[str, Any]] =
     return ExportPlan(prefix, _without_aliases(entries, tensors, []) if tensors is not None else entries)
 
 
-def make_plan(module: nn.Module, prefix: Optional[str] = None) -> ExportPlan:
-    """The export of ``module`` (see the notes above); raises, naming the layer, for what cannot be merged."""
+def make_plan(module: nn.Module, prefix: Optional[str] = None, merge: bool = True) -> ExportPlan:
+    """The export of ``module`` (see the notes above); raises, naming the layer, for what cannot be merged
+    (``merge=False``: the adapter alone, whatever its layers)."""
     prefix, sub = find_exported(module, prefix)
     tensors = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
     if sub is None or not (is_peft_model(sub) or is_pretrained_model(sub) or _lora_layers(sub)):
@@ -175,7 +177,7 @@ def make_plan(module: nn.Module, prefix: Optional[str] = None) -> ExportPlan:
     base = sub.get_base_model() if is_peft_model(sub) else sub
     base_path = next(n for n, m in sub.named_modules() if m is base)
     base_prefix = prefix + (base_path + "." if base_path else "")
-    entries = _merged_entries(base, base_prefix, tensors)
+    entries = _merged_entries(base, base_prefix, tensors) if merge else []
     plan = ExportPlan(prefix, _without_aliases(entries, tensors, _tied_patterns(base)))
     if is_pretrained_model(base):
         plan.config, plan.generation_config = _config_text(base), _generation_config_text(base)
@@ -282,4 +284,6 @@ def hf_record(module: nn.Module) -> Optional[dict[str, Any]]:
             return None
         return make_plan(module).to_record()
     except Exception as err:  # noqa: BLE001 - recorded, and reported by zero-consolidate --hf
+        warnings.warn(f"the checkpoint records no Hugging Face export plan ({type(err).__name__}: {err}); "
+                      "zero-consolidate --hf will need --prefix to export its keys as they are.", stacklevel=2)
         return {"error": f"{type(err).__name__}: {err}"}
