@@ -309,9 +309,9 @@ def checkpoint_plan(saved: dict[str, Any], reader: CheckpointReader, prefix: Opt
 
 
 def export_hf_checkpoint(ckpt_dir: Any, out_dir: Any, dtype: Union[str, torch.dtype, None] = None,
-                      max_shard_size: Union[int, str] = layout.DEFAULT_MAX_SHARD_SIZE, config: Any = None,
-                      prefix: Optional[str] = None, adapter_dir: Optional[str] = DEFAULT_ADAPTER_DIR,
-                      verify: bool = True) -> Exported:
+                         max_shard_size: Union[int, str] = layout.DEFAULT_MAX_SHARD_SIZE, config: Any = None,
+                         prefix: Optional[str] = None, adapter_dir: Optional[str] = DEFAULT_ADAPTER_DIR,
+                         verify: bool = True) -> Exported:
     """Write the sharded checkpoint ``ckpt_dir`` as a Hugging Face model directory ``out_dir``, one
     tensor at a time, without a process group or the model (see the module's docstring)."""
     reader = CheckpointReader(ckpt_dir, verify=verify)
@@ -331,18 +331,19 @@ def export_module(module: nn.Module, groups: Sequence[FlatGroup], comm: Collecti
                   adapter_only: bool = False) -> Exported:
     """Write a running job's ``module`` (on the engine, its flat ``groups``) as a Hugging Face model
     directory from rank 0, gathering one tensor at a time. A collective: call it on every rank."""
-    error, plan = "", None
-    try:
+    error, plan, config_text = "", None, None
+    try:  # what can fail on one rank alone (a config file it cannot read) fails on every rank, before a gather
         plan = make_plan(module, prefix, merge=not adapter_only)
         layout.export_dtype(dtype), layout.parse_size(max_shard_size)
-    except Exception as err:  # noqa: BLE001 - every rank decides alike, but says so together
+        config_text = read_config(config) if config is not None else None
+    except Exception as err:  # noqa: BLE001 - said on every rank together
         error = f"{type(err).__name__}: {err}"
-    errors = [e for e in comm.all_gather_object(error) if e]
+    errors = [(r, e) for r, e in enumerate(comm.all_gather_object(error)) if e]
     if errors:
-        raise ValueError(f"save_pretrained: {errors[0]}")
+        raise ValueError(f"save_pretrained failed on rank {errors[0][0]} before anything was gathered: {errors[0][1]}")
     assert plan is not None
     return write_export(out_dir, plan, LiveSource(module, groups, comm), layout.export_dtype(dtype), max_shard_size,
-                        read_config(config) if config is not None else None, adapter_dir, adapter_only)
+                        config_text, adapter_dir, adapter_only)
 
 
 # ---- transformers' and peft's own save_pretrained on a sharded model -------------------------
@@ -374,7 +375,8 @@ def guard_save_pretrained(module: nn.Module, export: Callable[..., Exported]) ->
                             _prefix: str = prefix, _peft: bool = peft_model, **kwargs: Any) -> Any:
             if state_dict is not None:
                 options = {} if is_main_process is _UNSET else {"is_main_process": is_main_process}
-                return _own(_sub, save_directory, *args, state_dict=state_dict, **options, **kwargs)
+                return _own(_sub, save_directory, *args, state_dict=state_dict, max_shard_size=max_shard_size,
+                            **options, **kwargs)
             if is_main_process is _UNSET:
                 raise RuntimeError(
                     f"{type(_sub).__name__}.save_pretrained: at ZeRO stage 3 this model's weights are sharded over "
