@@ -69,6 +69,7 @@ from .frontend.named_state import load_named_state, save_named_state, save_named
 from .frontend.options import (DeepSpeedConfig, ProcessLayout, barrier, broadcast_object, check_world_size,
                                engine_arguments, process_group_backend, read_options)
 from .frontend.precision import generic_precision_name
+from .frontend.pretrained import save_pretrained
 from .memory import memory_stats
 from .checkpoint.pretrained_files import is_pretrained_path
 from .pretrained import load_pretrained, sharded_init
@@ -365,6 +366,13 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
     def full_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
         """``module``'s whole state dict on every rank (at stage 3 gathered unit by unit: a collective)."""
         return self._engine_of(module, "full_state_dict(model)").full_state_dict()
+
+    def save_pretrained(self, module: nn.Module, save_directory: Any, **options: Any) -> Any:
+        """Write ``module`` (set up by this strategy) in the Hugging Face layout from rank 0, one tensor
+        gathered at a time; options as ``zero_strategy.frontend.pretrained.save_pretrained``. A
+        collective: call ``fabric.strategy.save_pretrained(model, dir)`` on every rank."""
+        module = getattr(module, "_original_module", None) or module  # what fabric.setup returned, unwrapped
+        return save_pretrained(self._engine_of(module, "save_pretrained(model, dir)"), save_directory, **options)
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         engine = next((e for e in self._engines if e.module is module), None)

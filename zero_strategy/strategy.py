@@ -46,6 +46,7 @@ from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, 
 from .frontend.options import (ProcessLayout, barrier, broadcast_object, check_world_size, engine_arguments,
                                process_group_backend, read_options)
 from .frontend.job_end import watch_the_job
+from .frontend.pretrained import save_pretrained
 from .frontend.setup import engine_config
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
@@ -356,6 +357,13 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         if self._sharder is None or self.config.stage < 3:  # whole on every rank
             return super().lightning_module_state_dict()
         return self._sharder.full_state_dict()
+
+    def save_pretrained(self, save_directory: Any, **options: Any) -> Any:
+        """Write the model in the Hugging Face layout (config.json, safetensors shards, their index; a peft
+        model merged, its adapter alone in ``save_directory/adapter``) from rank 0, one tensor gathered at
+        a time; options as ``zero_strategy.frontend.pretrained.save_pretrained``. A collective: call it on
+        every rank (in a hook every rank runs, such as ``on_train_end``)."""
+        return save_pretrained(self._engine, save_directory, **options)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self.state_dict_type == "sharded":

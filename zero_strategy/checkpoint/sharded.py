@@ -25,6 +25,7 @@ from ..engine.optimizer import ZeroOptimizer
 from ..engine.parameters import ParameterSharder
 from ..engine.state import is_elementwise
 from . import store
+from .hf_plan import hf_record
 from .store import CheckpointError, CheckpointReader, RankWriter
 
 if TYPE_CHECKING:
@@ -261,6 +262,9 @@ def _finish(snapshot: _Snapshot, records: list[_RankRecord]) -> None:
         **state["zero_checkpoint"],
         "optimizers": _optimizer_records(snapshot.param_groups, records) if snapshot.with_optimizers else None,
     }
+    export_plan = hf_record(module)  # what zero-consolidate --hf writes: see checkpoint/hf_plan.py
+    if export_plan is not None:
+        state["zero_checkpoint"]["hf_export"] = export_plan
     trainer_state = store.write_trainer_state(tmp, state)
     index = {"format": store.FORMAT, "world_size": len(records), "stage": snapshot.stage,
              "files": {rec.file: {"bytes": rec.bytes} for rec in records}, "tensors": tensors}

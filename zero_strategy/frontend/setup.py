@@ -54,6 +54,7 @@ from ..engine.flat import FlatGroup
 from ..engine.materialize import fill_deferred, materialize_buffers, materialize_whole
 from ..generation import sync_generation
 from .precision import WorkingPrecision
+from .pretrained import guard_hf_save_pretrained
 
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
 
@@ -162,6 +163,7 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
             model.sharder = shard_module(module, config, comm, device, built)
         if config.stage == 3:  # pretrained or recorded values into the shards: see [Note: init-time sharding]
             fill_deferred(module, model.sharder.groups, _rank0_rng(comm, device), device)
+            guard_hf_save_pretrained(model)  # transformers' own save_pretrained would write the empty shards
     sync_generation(module, config.stage, comm)
     if config.offload_activations:  # 6
         offload_activations_in_forward(module)
