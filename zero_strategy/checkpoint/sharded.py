@@ -245,6 +245,9 @@ def _snapshot(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimiz
     if buffers is not None:  # the state outlives this call: training may change what it refers to
         state, extra, param_groups = copy.deepcopy((state, extra, param_groups))
     state["zero_checkpoint"] = {"model_keys": model_keys, "model_extra_state": extra}
+    export_plan = hf_record(module)  # what zero-consolidate --hf writes: see checkpoint/hf_plan.py
+    if export_plan is not None:
+        state["zero_checkpoint"]["hf_export"] = copy.deepcopy(export_plan) if buffers is not None else export_plan
     return _Snapshot(path, state, with_optimizers, param_groups, writer, record, stage, checksums)
 
 
@@ -262,9 +265,6 @@ def _finish(snapshot: _Snapshot, records: list[_RankRecord]) -> None:
         **state["zero_checkpoint"],
         "optimizers": _optimizer_records(snapshot.param_groups, records) if snapshot.with_optimizers else None,
     }
-    export_plan = hf_record(module)  # what zero-consolidate --hf writes: see checkpoint/hf_plan.py
-    if export_plan is not None:
-        state["zero_checkpoint"]["hf_export"] = export_plan
     trainer_state = store.write_trainer_state(tmp, state)
     index = {"format": store.FORMAT, "world_size": len(records), "stage": snapshot.stage,
              "files": {rec.file: {"bytes": rec.bytes} for rec in records}, "tensors": tensors}
