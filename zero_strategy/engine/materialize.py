@@ -53,8 +53,12 @@ def set_buffer_source(module: nn.Module, name: str, source: Source) -> None:
     _buffer_sources.setdefault(module, {})[name] = source
 
 
-def _deferred_param(p: nn.Parameter) -> bool:
+def is_deferred(p: nn.Parameter) -> bool:
+    """Whether ``p`` gets its values from ``fill_deferred`` (a source, or a recorded construction)."""
     return p in _param_sources or recorded_param(p) is not None
+
+
+_deferred_param = is_deferred
 
 
 def _deferred_buffer(m: nn.Module, name: str) -> bool:
