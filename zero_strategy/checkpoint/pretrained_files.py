@@ -13,6 +13,7 @@ names (``PretrainedFiles.entries``), read once per rank.
 
 from __future__ import annotations
 
+import math
 import json
 import os
 import struct
@@ -45,10 +46,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _read_header(file: Path) -> dict[str, TensorEntry]:

@@ -23,6 +23,7 @@ the random state was the same at the end of the construction as at its start.
 
 from __future__ import annotations
 
+import math
 import contextlib
 import sys
 import weakref
@@ -61,10 +62,7 @@ class Ref:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass
