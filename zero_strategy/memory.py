@@ -180,7 +180,8 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
     disk = sum(o.disk_bytes() for o in zero)
     stats["optimizer_states"] = disk + count(
         [*(v for o in optimizers for s in (o.inner.state if isinstance(o, ZeroOptimizer) else o.state).values()
-           for v in s.values()), *(t for o in zero for t in o.memory_tensors()["pending_states"])]
+           for v in s.values()), *(t for o in zero for t in o.memory_tensors()["pending_states"]),
+         *(t for o in zero for t in o.memory_tensors()["stored_states"])]  # int8/bf16 state (step_lowp.py)
     )
     stats["total"] = sum(stats[k] for k in KEYS)
     stats["workspace"] = count([*(t for s in sharders for t in s.workspace_tensors()),

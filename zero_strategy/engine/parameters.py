@@ -231,7 +231,8 @@ class FlatParameters:
             # parameters as they are (equal on every rank, as for DDP)
             common = dict(broadcast_from=self.comm if config.stage == 3 else None,
                           master_dtype=config.master_dtype if trainable else None,
-                          offload_master=config.offload_optimizer and trainable)
+                          offload_master=config.offload_optimizer and trainable,
+                          block_align=config.layout_block if trainable else 1)
             bucket = config.bucket_numel(ps[0].element_size())
             if resident and config.stage == 3:  # small parameters: one segment
                 groups.append(ResidentGroup(ps, n, r, **common))
