@@ -221,3 +221,16 @@ def test_bf16_masters_share_the_working_weights_and_state_bytes_follow_the_dtype
     assert sizes["fp32"]["optimizer_states"] >= 8 * n  # torch's two fp32 moments (and step counts)
     assert sizes["bf16"]["optimizer_states"] == 4 * n + 4 * 4  # two bf16 moments; four fp32 step counts
     assert sizes["int8"]["optimizer_states"] < 2.2 * n  # a code per moment and element, and the scales
+
+
+def test_the_formula_counts_each_combination():
+    from zero_strategy.memory import estimate_memory
+
+    n = 1 << 20
+    per_param = {combo: estimate_memory(n, 3, 2, "bf16-mixed", optimizer_state_dtype=combo[0],
+                                        master_weights_dtype=combo[1])["total"] * 2 / n
+                 for combo in (("fp32", "fp32"), ("bf16", "bf16"), ("int8", "bf16"))}
+    # issue 31's figures: 16 bytes per parameter, 8 with bf16 state and masters, 6 with int8 (and its scales)
+    assert per_param == {("fp32", "fp32"): 16, ("bf16", "bf16"): 8, ("int8", "bf16"): 6 + 2 * 4 / 256}
+    with pytest.raises(ValueError, match="has none"):
+        estimate_memory(n, 3, 2, "32-true", master_weights_dtype="bf16")
