@@ -94,7 +94,7 @@ def _state_vector(opt) -> torch.Tensor:
                       if k != "step"]) if state else torch.zeros(0)
 
 
-def _all_runs(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+def _all_runs(rank: int, world_size: int, folder: str = "") -> dict[str, dict[str, torch.Tensor]]:
     """Every combination at stages 1-3 (and SGD with int8 momentum at stage 2)."""
     out = {}
     for stage in (1, 2, 3):
@@ -105,6 +105,41 @@ def _all_runs(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     model, opt = _build(_config(2, "int8", "bf16"), sgd=True)
     out["2-int8-bf16-sgd"] = {**_weights(model, opt), "#losses": torch.tensor(_train(model, opt, STEPS))}
     out.update(_resumed(rank, world_size))
+    if world_size > 1:
+        out.update(_checkpointed(folder))
+    return out
+
+
+CHECKPOINTED = (("int8", "bf16"), ("int8", "fp32"))
+
+
+def _checkpointed(folder: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Two steps at stage 3, a sharded checkpoint, loaded at stage 3 and at stage 2 (other layouts), two
+    more steps."""
+    from pathlib import Path
+
+    from zero_strategy.checkpoint import CheckpointReader, load_model, load_optimizers, save_sharded
+    from zero_strategy.checkpoint.sharded import flat_groups
+    from zero_strategy.engine import Collectives
+
+    out = {}
+    for state, master in CHECKPOINTED:
+        path = Path(folder) / f"{state}-{master}"
+        model, opt = _build(_config(3, state, master))
+        _train(model, opt, 2)
+        save_sharded(path, {"global_step": 2, "optimizer_states": [{}]}, model, [opt], opt.sharder, Collectives(), 3)
+        for stage in (3, 2):
+            torch.manual_seed(1)
+            model, opt = _build(_config(stage, state, master))
+            with torch.no_grad():  # other weights: all must come from the checkpoint
+                for p in model.parameters():
+                    p.add_(1.0)
+            reader = CheckpointReader(path)
+            saved = reader.trainer_state()["zero_checkpoint"]
+            load_model(reader, saved, model, flat_groups([opt], opt.sharder if stage == 3 else None))
+            load_optimizers(reader, saved, model, [opt])
+            losses = _train(model, opt, 2, first=2)
+            out[f"checkpoint-{state}-{master}-s{stage}"] = {**_weights(model, opt), "#losses": torch.tensor(losses)}
     return out
 
 
@@ -151,8 +186,8 @@ def _build_on(config: ZeroConfig, comm):
     return model, opt
 
 
-def _straight(state: str) -> dict[str, torch.Tensor]:
-    model, opt = _build(_config(2, state, "bf16"))
+def _straight(state: str, master: str = "bf16") -> dict[str, torch.Tensor]:
+    model, opt = _build(_config(2, state, master))
     losses = _train(model, opt, 4)
     return {**_weights(model, opt), "#losses": torch.tensor(losses[2:])}
 
@@ -164,9 +199,9 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
 
 
 @pytest.mark.timeout(240)
-def test_every_combination_equals_one_process_bit_for_bit_at_every_stage_and_resumes():
+def test_every_combination_equals_one_process_bit_for_bit_at_every_stage_and_resumes(tmp_path):
     reference = _all_runs(0, 1)
-    ranks = run_distributed(_all_runs, 2, timeout_s=220)
+    ranks = run_distributed(_all_runs, 2, str(tmp_path), timeout_s=220)
     for rank, runs in enumerate(ranks):
         for name, want in reference.items():
             _assert_equal(runs[name], want, f"rank {rank}, {name}")
@@ -179,6 +214,12 @@ def test_every_combination_equals_one_process_bit_for_bit_at_every_stage_and_res
         _assert_equal(ranks[0][f"resumed-{state}-2 ranks"], want, f"resume {state} at 2 ranks")
         _assert_equal(ranks[1][f"resumed-{state}-2 ranks"], want, f"resume {state} at 2 ranks, rank 1")
         _assert_equal(ranks[0][f"resumed-{state}-1 rank"], want, f"resume {state} from 2 ranks onto 1")
+    for state, master in CHECKPOINTED:  # a sharded checkpoint of stage 3, loaded at stages 3 and 2
+        want = _straight(state, master)
+        for rank in (0, 1):
+            for stage in (3, 2):
+                _assert_equal(ranks[rank][f"checkpoint-{state}-{master}-s{stage}"], want,
+                              f"checkpoint {state}/{master} loaded at stage {stage}, rank {rank}")
 
 
 # ---- options and their errors ------------------------------------------------------------------
