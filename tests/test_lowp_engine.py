@@ -275,3 +275,44 @@ def test_the_formula_counts_each_combination():
     assert per_param == {("fp32", "fp32"): 16, ("bf16", "bf16"): 8, ("int8", "bf16"): 6 + 2 * 4 / 256}
     with pytest.raises(ValueError, match="has none"):
         estimate_memory(n, 3, 2, "32-true", master_weights_dtype="bf16")
+
+
+# ---- DeepSpeed's keys --------------------------------------------------------------------------
+
+DS_BF16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
+def _through_initialize(rank: int, world_size: int) -> dict:
+    import zero_strategy as deepspeed
+    from zero_strategy.memory import memory_stats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 80), nn.Tanh(), nn.Linear(80, 10))  # 5120 weights: above the threshold
+    config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "bf16": DS_BF16,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 2}}
+    engine, opt, _, _ = deepspeed.initialize(model=model, config=config)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)  # the same batch on every rank: see the module's docstring
+        x, y = torch.randn(16, 64, generator=g), torch.randn(16, 10, generator=g)
+        engine.backward(F.mse_loss(engine(x).float(), y))
+        engine.step()
+    stored = opt.step_backend.stored_tensors()
+    return {"backend": type(opt.step_backend).__name__, "stored_dtypes": sorted({str(t.dtype) for t in stored}),
+            "masters": memory_stats(model, [opt])["master_params"], "weight_dtype": str(model[0].weight.dtype),
+            "weights": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.timeout(120)
+def test_deepspeeds_bf16_keys_train_through_initialize_and_configure_the_strategy():
+    from zero_strategy import ZeroStrategy
+
+    one, *two = run_distributed(_through_initialize, 1) + run_distributed(_through_initialize, 2)
+    for run in (one, *two):
+        assert run["backend"] == "LowPrecisionStep" and run["stored_dtypes"] == ["torch.bfloat16"]
+        assert run["masters"] == 0 and run["weight_dtype"] == "torch.bfloat16"
+        _assert_equal(run["weights"], one["weights"], "initialize, 2 ranks against 1")
+    torch.manual_seed(0)
+    assert not torch.equal(one["weights"]["0.weight"], nn.Linear(64, 80).weight.detach().bfloat16().float())
+    strategy = ZeroStrategy(config={"bf16": DS_BF16, "zero_optimization": {"stage": 3}})
+    assert (strategy.config.master_weights_dtype, strategy.config.optimizer_state_dtype) == ("bf16", "bf16")
