@@ -316,3 +316,18 @@ def test_deepspeeds_bf16_keys_train_through_initialize_and_configure_the_strateg
     assert not torch.equal(one["weights"]["0.weight"], nn.Linear(64, 80).weight.detach().bfloat16().float())
     strategy = ZeroStrategy(config={"bf16": DS_BF16, "zero_optimization": {"stage": 3}})
     assert (strategy.config.master_weights_dtype, strategy.config.optimizer_state_dtype) == ("bf16", "bf16")
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_code_table_finds_what_bucketize_finds(signed):
+    from zero_strategy.engine.lowp import _midpoints, nearest_codes
+
+    mids = _midpoints(signed)
+    g = torch.Generator().manual_seed(0)
+    spread = torch.rand(50_000, generator=g) * 10.0 ** -torch.randint(0, 12, (50_000,), generator=g).float()
+    values = [mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0)), spread,
+              torch.rand(50_000, generator=g), torch.tensor([0.0, -0.0, 1.0, 1e-38, 1e-45])]
+    x = torch.cat(values).clamp(0.0, 1.0)
+    if signed:
+        x = torch.cat([x, -x])
+    assert torch.equal(nearest_codes(x, signed).long(), torch.bucketize(x, mids))
