@@ -33,6 +33,7 @@ fp32 state and load into any ``optimizer_state_dtype``); after it, the state is 
 from __future__ import annotations
 
 import contextlib
+import logging
 import zlib
 from typing import Any, Iterator, Optional, Union
 
@@ -45,6 +46,8 @@ from .state import is_elementwise
 from .step_backend import StepBackend, Stepped
 from .step_grads import StepGradients
 from .tiled_step import CPU_TILE_NUMEL, copy_scalar, hooked_step, unhooked_step
+
+log = logging.getLogger(__name__)
 
 TILE_NUMEL = CPU_TILE_NUMEL
 """Elements per tile: a multiple of every allowed int8 block (powers of two up to it)."""
@@ -260,6 +263,7 @@ class LowPrecisionStep(StepBackend):
         self.encoded = {}
         order = self._inner_order()
         state = self.stepped.inner.state
+        encoded = 0
         for j, values in self._loaded.items():
             key = order[j]
             if not self.quantized[key]:
@@ -268,6 +272,10 @@ class LowPrecisionStep(StepBackend):
                 continue
             for name, value in values.items():
                 self._store_whole(key, name, value)
+                encoded += 1
+        if encoded:
+            log.info("optimizer state loaded (fp32, as checkpoints hold it) and stored as %s: %d state tensors",
+                     self.config.optimizer_state_dtype, encoded)
         self._loaded = {}
 
     # ---- accounting ------------------------------------------------------------------------
