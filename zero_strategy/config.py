@@ -54,7 +54,9 @@ class ZeroConfig:
     master_weights: bool = True
     """Low-precision (bf16/fp16) trainable parameters get an fp32 master copy of this rank's shard,
     which the optimizer updates ("bf16-mixed", "16-mixed"). False updates the low-precision
-    parameters themselves ("bf16-true", "16-true"). fp32 parameters are their own master either way."""
+    parameters themselves ("bf16-true", "16-true"). fp32 parameters are their own master either way.
+    ``master_weights_dtype="bf16"`` overrides it for bf16 weights: they are their own master, updated
+    with stochastic rounding (``master_dtype`` then says None: no copy)."""
 
     allow_untested_optimizer: bool = False
     """Re-create optimizer classes this package has not verified to be elementwise. A wrong
@@ -145,6 +147,40 @@ class ZeroConfig:
     and a writer thread writes and commits the files while training goes on (see [Note: saving in the
     background] in checkpoint/background.py). A second save, and the end of training, wait for it."""
 
+    optimizer_state_dtype: str = "fp32"
+    """How the inner optimizer's elementwise state (Adam's moments, SGD's momentum, ...) is stored
+    between steps: "fp32" (torch's own), "bf16" (rounded stochastically, or to nearest with
+    ``stochastic_rounding=False``; any optimizer of ``ELEMENTWISE_OPTIMIZERS``) or "int8" (block-wise
+    codes with one fp32 scale per ``optimizer_state_block_size`` elements, a signed dynamic map for
+    first moments and momenta, an unsigned one for second moments: see [Note: int8 state] in
+    engine/lowp.py; Adam, AdamW and SGD only). The update itself is the user's optimizer's, in fp32,
+    a tile at a time (see [Note: the low-precision step] in engine/step_lowp.py). Parameters of fewer
+    than ``optimizer_state_min_numel`` elements keep fp32 state."""
+
+    master_weights_dtype: str = "fp32"
+    """The dtype of the weights the optimizer updates. "fp32": as ``master_weights`` says (an fp32
+    copy of bf16/fp16 weights with ``master_weights=True``, the weights themselves without). "bf16"
+    (bf16 working weights only): the bf16 working weights are the master, at every stage (at stage 3
+    the rank's shard: no second copy), and each update, computed in fp32, is rounded into them
+    stochastically unless ``stochastic_rounding=False``; ``master_weights`` then makes no difference,
+    and ``master_dtype`` is None (no copy)."""
+
+    stochastic_rounding: bool = True
+    """Round bf16 masters and bf16 optimizer state stochastically (unbiased: small updates add up on
+    average; see [Note: stochastic rounding] in engine/lowp.py); False: to nearest."""
+
+    stochastic_rounding_seed: int = 0
+    """Seed of the stochastic rounding's random bits, which hash (seed, step, parameter, element
+    position): the same bits on any world size and stage."""
+
+    optimizer_state_block_size: int = 256
+    """With ``optimizer_state_dtype="int8"``: elements per fp32 scale. The flat layout then starts every
+    parameter, and ends every shard, at a multiple of it (see [Note: blocks that survive a reshard])."""
+
+    optimizer_state_min_numel: int = 4096
+    """Parameters with fewer elements keep fp32 optimizer state (biases, norms), as the published
+    8-bit optimizers do: they cost little and are the most sensitive."""
+
     def __post_init__(self) -> None:
         if type(self.stage) is not int or self.stage not in SUPPORTED_STAGES:
             raise ValueError(
@@ -186,6 +222,44 @@ class ZeroConfig:
 
         self._check_memory_options()
         self._check_communication_options()
+        self._check_low_precision_options()
+
+    def _check_low_precision_options(self) -> None:
+        states = ("fp32", "bf16", "int8")
+        if self.optimizer_state_dtype not in states:
+            raise ValueError(f"optimizer_state_dtype={self.optimizer_state_dtype!r} is not one of {states}: \"fp32\" "
+                             "keeps torch's state, \"bf16\" halves it, \"int8\" stores block-wise codes (Adam, AdamW, "
+                             "SGD).")
+        if self.master_weights_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"master_weights_dtype={self.master_weights_dtype!r} is not one of ('fp32', 'bf16'): "
+                             "\"bf16\" makes bf16 working weights their own master, updated with stochastic rounding.")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ValueError(f"stochastic_rounding={self.stochastic_rounding!r} must be True or False.")
+        if type(self.stochastic_rounding_seed) is not int:
+            raise ValueError(f"stochastic_rounding_seed={self.stochastic_rounding_seed!r} must be an integer.")
+        block = self.optimizer_state_block_size
+        if type(block) is not int or block < 8 or block & (block - 1):
+            raise ValueError(f"optimizer_state_block_size={block!r} must be a power of two of at least 8 (elements "
+                             "per int8 scale; 256 is the default).")
+        least = self.optimizer_state_min_numel
+        if type(least) is not int or least < 0:
+            raise ValueError(f"optimizer_state_min_numel={least!r} must be a non-negative integer (parameters with "
+                             "fewer elements keep fp32 state; 0: none do).")
+        if self.low_precision_step and (self.offload_optimizer or self.offload_dir is not None):
+            raise ValueError(f"optimizer_state_dtype={self.optimizer_state_dtype!r} / master_weights_dtype="
+                             f"{self.master_weights_dtype!r} are not built for optimizer offload yet (the host and "
+                             "disk steps keep fp32 state); drop offload_optimizer, or keep both at \"fp32\".")
+
+    @property
+    def low_precision_step(self) -> bool:
+        """Whether the step stores state or masters in fewer bits (see engine/step_lowp.py)."""
+        return self.optimizer_state_dtype != "fp32" or self.master_weights_dtype != "fp32"
+
+    @property
+    def layout_block(self) -> int:
+        """Elements every parameter start and shard end of a flat layout is a multiple of (beyond the
+        vector alignment): the int8 state's block, so that no block straddles a shard."""
+        return self.optimizer_state_block_size if self.optimizer_state_dtype == "int8" else 1
 
     def _check_communication_options(self) -> None:
         if not isinstance(self.quantized_weights, bool):
@@ -252,8 +326,10 @@ class ZeroConfig:
 
     @property
     def master_dtype(self) -> Optional[torch.dtype]:
-        """dtype of the optimizer's copy of low-precision parameters (None: no copy)."""
-        return torch.float32 if self.master_weights else None
+        """dtype of the optimizer's copy of low-precision parameters (None: no copy). fp32 with
+        ``master_weights`` and ``master_weights_dtype="fp32"``; None with ``master_weights_dtype="bf16"``,
+        where the bf16 working weights are their own master."""
+        return torch.float32 if self.master_weights and self.master_weights_dtype == "fp32" else None
 
     @property
     def weight_quantization(self) -> Optional[QuantSpec]:

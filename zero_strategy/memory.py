@@ -67,7 +67,9 @@ def _bytes_per_parameter(precision: str) -> tuple[int, int, int, int]:
 def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precision: str | int = "32-true",
                     offload_optimizer: bool = False, offload_params: bool = False,
                     optimizer_state_bytes: Optional[float] = None, offload_disk: bool = False,
-                    trainable_params: Optional[int] = None, async_save: bool = False) -> dict[str, int]:
+                    trainable_params: Optional[int] = None, async_save: bool = False,
+                    optimizer_state_dtype: str = "fp32", master_weights_dtype: str = "fp32",
+                    optimizer_state_block_size: int = 256) -> dict[str, int]:
     """Per-rank model-state bytes that the ZeRO paper's formula predicts, and where they live.
 
     Stage 0 is plain data parallelism. With mixed-precision Adam (K = 12) this gives the paper's
@@ -85,6 +87,13 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     a LoRA model's adapters, its frozen base counted in ``params`` only.
     ``checkpoint_buffers`` (not in ``total``) is the host memory ``async_save`` keeps between saves:
     the rank's share of what a checkpoint holds, its pieces of the weights, masters and state.
+
+    ``optimizer_state_dtype`` and ``master_weights_dtype`` (see ZeroConfig) count the low-precision
+    step's bytes (engine/step_lowp.py): the state elements (``optimizer_state_bytes`` / 4 of them,
+    Adam's 2 by default) at 4 (fp32), 2 (bf16) or 1 + 4 / ``optimizer_state_block_size`` (int8 and
+    its scales) bytes each, and no master copy with bf16 masters (the working weights, bf16 only).
+    Every parameter is counted as large (``optimizer_state_min_numel`` keeps fp32 state for small
+    ones: a few per cent of a transformer's bytes at most).
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params={num_params!r} must be a non-negative integer")
@@ -103,6 +112,9 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     param_b, grad_b, master_b, state_b = _bytes_per_parameter(precision)
     if optimizer_state_bytes is not None:
         state_b = optimizer_state_bytes
+    if optimizer_state_dtype != "fp32" or master_weights_dtype != "fp32":
+        master_b, state_b = _low_precision_bytes(precision, master_b, optimizer_state_bytes, optimizer_state_dtype,
+                                                 master_weights_dtype, optimizer_state_block_size, offload_optimizer)
     n = world_size
     shard = n if stage >= 1 else 1
     trained = num_params if trainable_params is None else trainable_params
@@ -129,6 +141,22 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     out["checkpoint_buffers"] = (int(round((param_b * num_params + (master_b + state_b) * trained) / shard))
                                  if async_save else 0)
     return out
+
+
+def _low_precision_bytes(precision: str, master_b: int, state_bytes: Optional[float], state_dtype: str,
+                         master_dtype: str, block: int, offload: bool) -> tuple[int, float]:
+    """(master copy, optimizer state) bytes per parameter of the low-precision step (see estimate_memory)."""
+    from .config import ZeroConfig
+
+    ZeroConfig(optimizer_state_dtype=state_dtype, master_weights_dtype=master_dtype,  # their checks
+               optimizer_state_block_size=block, offload_optimizer=offload)
+    if master_dtype == "bf16":
+        if PRECISION_DTYPES[normalize_precision(precision)] != torch.bfloat16:
+            raise ValueError(f"master_weights_dtype='bf16' makes bf16 working weights their own master; precision="
+                             f"{precision!r} has none. Use 'bf16-mixed' or 'bf16-true', or master_weights_dtype='fp32'.")
+        master_b = 0
+    elements = (8 if state_bytes is None else state_bytes) / 4  # fp32 state elements per parameter
+    return master_b, elements * {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / block}[state_dtype]
 
 
 def count_parameters(module: torch.nn.Module) -> int:
@@ -186,7 +214,8 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
     disk = sum(o.disk_bytes() for o in zero)
     stats["optimizer_states"] = disk + count(
         [*(v for o in optimizers for s in (o.inner.state if isinstance(o, ZeroOptimizer) else o.state).values()
-           for v in s.values()), *(t for o in zero for t in o.memory_tensors()["pending_states"])]
+           for v in s.values()), *(t for o in zero for t in o.memory_tensors()["pending_states"]),
+         *(t for o in zero for t in o.memory_tensors()["stored_states"])]  # int8/bf16 state (step_lowp.py)
     )
     stats["total"] = sum(stats[k] for k in KEYS)
     stats["workspace"] = count([*(t for s in sharders for t in s.workspace_tensors()),

@@ -63,8 +63,13 @@ def default_world_size(trainer_cfg: DictConfig) -> int:
     return count * int(trainer_cfg.get("num_nodes", 1))
 
 
-def estimate_rows(num_params: int, world_size: int, precision: str, offload: bool) -> list[dict[str, Any]]:
-    rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision)}
+def estimate_rows(num_params: int, world_size: int, precision: str, offload: bool,
+                  low_precision: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """``low_precision``: the strategy's optimizer_state_dtype, master_weights_dtype and block size
+    (see ``lowp_settings``), which the ZeRO stages' rows count (not DDP's, stage 0, nor offload's)."""
+    lowp = low_precision or {}
+    rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision,
+                                                                     **(lowp if s else {}))}
             for s in (0, 1, 2, 3)]
     if offload:
         variants = [(2, "optimizer", False, False), (3, "optimizer", False, False), (3, "opt+params", True, False),
@@ -74,6 +79,12 @@ def estimate_rows(num_params: int, world_size: int, precision: str, offload: boo
                                               offload_params=par, offload_disk=disk)}
                  for s, name, par, disk in variants]
     return rows
+
+
+def lowp_settings(config: ZeroConfig) -> dict[str, Any]:
+    """The low-precision step's settings of ``config``, as estimate_memory takes them."""
+    return {"optimizer_state_dtype": config.optimizer_state_dtype, "master_weights_dtype": config.master_weights_dtype,
+            "optimizer_state_block_size": config.optimizer_state_block_size}
 
 
 def engine_settings(strategy_cfg: DictConfig) -> ZeroConfig:
@@ -148,7 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     net = build_network(cfg.model)
     num_params = sum(p.numel() for p in net.parameters())
     stage = cfg.strategy.get("stage", 0) if "zero" in str(cfg.strategy.get("_target_", "")).lower() else 0
-    print_estimates(estimate_rows(num_params, world_size, precision, cfg.offload), num_params, world_size,
+    print_estimates(estimate_rows(num_params, world_size, precision, cfg.offload, lowp_settings(base)), num_params,
+                    world_size,
                     precision, stage, cfg.offload)
     if world_size > 1:
         rows = variant_rows(net, base, world_size, per_node, link, dtype=PRECISION_DTYPES[precision],

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 __all__ = ["AUTO_HINT", "AUTO_OK", "DeepSpeedConfigError", "Findings", "MAPPED", "RULES", "Rule", "ZERO_ALIASES",
            "is_auto", "load_deepspeed_config", "read_flag", "read_integer", "read_number", "read_section",
@@ -120,7 +120,7 @@ MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section (""
     "torch_autocast": frozenset({"enabled", "dtype", "lower_precision_safe_modules"}),
     "fp16": frozenset({"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                        "min_loss_scale"}),
-    "bf16": frozenset({"enabled"}),
+    "bf16": frozenset({"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states"}),
     "optimizer": frozenset({"type", "params"}),
     "scheduler": frozenset({"type", "params"}),
     "zero_optimization": frozenset({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size",
@@ -204,10 +204,6 @@ RULES: dict[str, Rule] = {
                                         "step here, not at every backward; remove the key"),
     "bf16.check_grad_overflow": _harmless("bf16 has fp32's range; overflow is checked for fp16 only here"),
     "bf16.check_overflow": _harmless("bf16 has fp32's range; overflow is checked for fp16 only here"),
-    "bf16.bf16_master_weights_and_grads": _only(False, "false: the default", "for bf16 weights without an fp32 "
-                                                "master use Trainer(precision=\"bf16-true\"); remove the key"),
-    "bf16.bf16_optimizer_states": _only(False, "false: the default", "optimizer state of mixed precision is fp32 "
-                                        "here; for bf16 state use Trainer(precision=\"bf16-true\")"),
     "optimizer.legacy_fusion": _harmless("a switch of DeepSpeed's fused fp16 optimizer"),
     # ZeRO
     "zero_optimization.overlap_comm": _harmless("reductions always overlap backward here"),
@@ -348,4 +344,30 @@ def read_zero_plus_plus(zero: Mapping, stage: int, findings: Findings) -> dict[s
         kwargs["quantized_gradients"] = "int4"
         findings.notes.append(f"{path}zero_quantized_gradients=true read as quantized_gradients=\"int4\" (ZeRO++'s "
                               "gradient width), reduced in two hops over nodes as ZeRO++ does")
+    return kwargs
+
+
+# ---- bf16 masters and optimizer state ------------------------------------------------------------
+
+
+def read_bf16_low_precision(config: Mapping, precision: Optional[str], findings: Findings) -> dict[str, Any]:
+    """ZeroConfig settings from DeepSpeed's ``bf16.bf16_master_weights_and_grads`` (no fp32 master:
+    ``master_weights_dtype="bf16"``; the gradients are bf16 here anyway, the weights' dtype) and
+    ``bf16.bf16_optimizer_states`` (``optimizer_state_dtype="bf16"``). Both need bf16 enabled; the
+    bf16 masters are updated with stochastic rounding here (``stochastic_rounding=False``: to nearest)."""
+    section = config.get("bf16") or {}
+    kwargs: dict[str, Any] = {}
+    for key, field in (("bf16_master_weights_and_grads", "master_weights_dtype"),
+                       ("bf16_optimizer_states", "optimizer_state_dtype")):
+        if not read_flag(section.get(key, False), f"bf16.{key}"):
+            continue
+        if precision != "bf16-mixed":
+            findings.problems.append(f"bf16.{key}: needs bf16.enabled=true (bf16 working weights); enable bf16, or "
+                                     "remove the key")
+            continue
+        kwargs[field] = "bf16"
+    if "master_weights_dtype" in kwargs:
+        findings.notes.append("bf16.bf16_master_weights_and_grads: the bf16 weights are their own master "
+                              "(master_weights_dtype=\"bf16\"), updated with stochastic rounding; pass "
+                              "stochastic_rounding=False for round to nearest")
     return kwargs

@@ -52,6 +52,7 @@ done with the unit.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -77,14 +78,18 @@ class FlatGroup:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], world_size: int, rank: int,
                  bucket_numel: int = _ONE_SEGMENT, broadcast_from: Optional[Collectives] = None,
-                 master_dtype: Optional[torch.dtype] = None, offload_master: bool = False) -> None:
+                 master_dtype: Optional[torch.dtype] = None, offload_master: bool = False,
+                 block_align: int = 1) -> None:
+        """``block_align``: every parameter start and shard end also at a multiple of it (the int8
+        optimizer state's block: see [Note: blocks that survive a reshard] in lowp.py)."""
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]  # a released parameter's own shape is (0,)
         self.rank = rank
         first = self.params[0]
         self.dtype, self.device = first.dtype, first.device
         self.layout: GroupLayout = plan_group(
-            [p.numel() for p in self.params], world_size, bucket_numel, align_elements(first.element_size())
+            [p.numel() for p in self.params], world_size, bucket_numel,
+            math.lcm(align_elements(first.element_size()), block_align)
         )
         self.pieces: tuple[Piece, ...] = self.layout.pieces(rank)
         self.buffer: Optional[torch.Tensor] = self._new_buffer().zero_()  # padding stays zero in the shards

@@ -40,6 +40,7 @@ from .step_disk import DiskStep
 from .step_fused import FusedStep
 from .step_grads import StepGradients
 from .step_host import HostTilesStep
+from .step_lowp import LowPrecisionStep
 from .step_overlap import OverlappedStep
 from .step_torch import TorchStep
 
@@ -54,6 +55,8 @@ def choose_step_backend(config: ZeroConfig, cls: type, device: torch.device) -> 
         return DiskStep
     if config.offload_optimizer:
         return HostTilesStep
+    if config.low_precision_step:  # see [Note: the low-precision step] in step_lowp.py
+        return LowPrecisionStep
     if kernels.available(torch.empty(0, device=device)):
         return FusedStep
     return _torch_backend(cls, device)
@@ -295,7 +298,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Tensors this engine keeps alive, by kind (the inner optimizer's state aside), under
         ``host`` those of them (and of the state) that live in host memory because of offload, and
         under ``workspace`` the staging buffers kept for the next backward; ``master_params`` includes the
-        shadows of ``offload_overlap``, and ``pending_states`` its second copy of the optimizer state."""
+        shadows of ``offload_overlap``, and ``pending_states`` its second copy of the optimizer state;
+        ``stored_states`` is the low-precision step's encoded state."""
         held = self.step_backend.held()
         masters = [g.master_shard for g in self.groups if g.master_shard is not None] + held["master_params"]
         pending = held["pending_states"]  # optimizer state of the overlapped step, not yet committed
@@ -305,6 +309,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             host = [*self.reducer.host_tensors(), *(m for m in masters if m.device == HOST), *state, *pending]
         return {"grads": self.reducer.held_tensors(),  # fp32 weights are their own master: no copy
                 "master_params": masters, "pending_states": pending, "host": host,
+                "stored_states": held.get("stored_states", []),  # low-precision state (step_lowp.py)
                 "workspace": self.reducer.workspace_tensors()}
 
     def disk_bytes(self) -> int:

@@ -68,7 +68,8 @@ def check_parameters(optimizer: torch.optim.Optimizer) -> None:
 
 def check_same_config(mine: ZeroConfig, sharders: ZeroConfig) -> None:
     """The optimizer steps the sharder's groups: they must agree on what those hold."""
-    fields = ("stage", "bucket_cap_mb", "master_weights", "offload_optimizer", "offload_params")
+    fields = ("stage", "bucket_cap_mb", "master_weights", "offload_optimizer", "offload_params",
+              "optimizer_state_dtype", "master_weights_dtype", "optimizer_state_block_size")
     differ = [f"{f}={getattr(mine, f)!r} here, {getattr(sharders, f)!r} in the sharder's"
               for f in fields if getattr(mine, f) != getattr(sharders, f)]
     if differ:

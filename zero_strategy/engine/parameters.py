@@ -250,7 +250,8 @@ class FlatParameters:
             from_rank0 = config.stage == 3 and not all(is_deferred(p) for p in ps)
             common = dict(broadcast_from=self.comm if from_rank0 else None,
                           master_dtype=config.master_dtype if trainable else None,
-                          offload_master=config.offload_optimizer and trainable)
+                          offload_master=config.offload_optimizer and trainable,
+                          block_align=config.layout_block if trainable else 1)
             bucket = config.bucket_numel(ps[0].element_size())
             if resident and config.stage == 3:  # small parameters: one segment
                 groups.append(ResidentGroup(ps, n, r, **common))

@@ -1,7 +1,7 @@
 """How a ZeroOptimizer's update runs: the interface of its step backends, and what they step.
 
 [Note: step backends]
-The update of a rank's pieces runs in one of six ways, one class each, in a file of its own,
+The update of a rank's pieces runs in one of seven ways, one class each, in a file of its own,
 chosen once when the ZeroOptimizer is built (``choose_step_backend`` in optimizer.py):
 
 - ``TorchStep`` (step_torch.py): the inner optimizer's own step on the pieces' device;
@@ -14,14 +14,16 @@ chosen once when the ZeroOptimizer is built (``choose_step_backend`` in optimize
   write-back to the device overlapping the next tile (see [Note: offloaded step] in step_host.py);
 - ``DiskStep`` (step_disk.py): the same with the elementwise state in files (``offload_dir``);
 - ``OverlappedStep`` (step_overlap.py): the host step started during backward
-  (``offload_overlap``: see [Note: the overlapped host step] in overlap.py).
+  (``offload_overlap``: see [Note: the overlapped host step] in overlap.py);
+- ``LowPrecisionStep`` (step_lowp.py): bf16 or int8 optimizer state, bf16 masters with stochastic
+  rounding, tile by tile in fp32 scratch (see [Note: the low-precision step] in step_lowp.py).
 
 The ZeroOptimizer keeps what every mode shares: the pieces and their param groups, the reduced
 gradients (``StepGradients``), clipping, the loss scaler, the all-gather of the updated weights
 and the state dict. Its ``step()`` makes one call, ``update``, or ``discard`` when the loss scaler
 skips the step. A backend also says, as class attributes, how the pieces are built for it
 (``stepped``), what the inner optimizer is built with (``options``, ``group_options``) and where
-the pieces live (``on_host``). A new mode (low-precision optimizer state, say) is a new backend.
+the pieces live (``on_host``). A new mode is a new backend.
 """
 
 from __future__ import annotations

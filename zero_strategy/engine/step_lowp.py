@@ -1,0 +1,296 @@
+"""The step with optimizer state or master weights stored in fewer bits (see [Note: step backends]).
+
+[Note: the low-precision step]
+Chosen when ``optimizer_state_dtype`` is "bf16" or "int8", or ``master_weights_dtype`` is "bf16"
+(``ZeroConfig.low_precision_step``). The user's optimizer class still does the arithmetic, in fp32:
+each piece is stepped in tiles of ``TILE_NUMEL`` elements (a multiple of every int8 block), and per
+tile the stored state is decoded into fp32 scratch, a scratch optimizer of the user's class steps an
+fp32 copy of the tile's weights (or the fp32 master itself), and the result is stored back: the
+state encoded (lowp.py: ``Int8State``, ``Bf16State``), bf16 weights rounded stochastically (or to
+nearest). The inner optimizer's ``state`` keeps each piece's one-number state (the step count) and,
+for parameters under ``optimizer_state_min_numel`` elements, torch's own fp32 state; the encoded
+state lives here, one encoding per tile and state key.
+
+Exactness across world sizes and stages: an int8 block holds parameter elements [i * block, (i + 1)
+* block), and the flat layout starts every parameter and ends every shard at a multiple of the
+block (``ZeroConfig.layout_block``; the layout, not this file, pads: see [Note: blocks that
+survive a reshard] in lowp.py), so each block lies whole in one piece and one tile, and its scale
+is the same in any layout. Stochastic rounding hashes (seed, step, parameter, element position in
+the parameter): the parameter is its index in the user's optimizer, the step is the param group's
+``lowp_step`` (a counter this backend keeps in the user's param groups, so it is saved and
+loaded with them). So one process and N ranks write the same bits, given the same gradients.
+
+bf16 masters: with ``master_weights_dtype="bf16"`` the config asks for no fp32 copy
+(``master_dtype`` None), so the tensor stepped is the bf16 working weights: the rank's shard at
+stage 3, its slices of the resident buffer at stages 1-2. No second copy exists.
+
+Checkpoints see fp32: inside ``state_in_memory`` the inner optimizer's state holds every piece's
+state decoded to fp32 (what ``state_dict`` and sharded checkpoints save, so they reshard like any
+fp32 state and load into any ``optimizer_state_dtype``); after it, the state is encoded again
+(exact: a decoded value encodes to itself). A load stores the loaded fp32 state encoded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import zlib
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from ..config import ZeroConfig
+from .lowp import Bf16State, Int8State, round_to_bf16
+from .optimizer_checks import ELEMENTWISE_OPTIMIZERS
+from .state import is_elementwise
+from .step_backend import StepBackend, Stepped
+from .step_grads import StepGradients
+from .tiled_step import CPU_TILE_NUMEL, copy_scalar, hooked_step, unhooked_step
+
+log = logging.getLogger(__name__)
+
+TILE_NUMEL = CPU_TILE_NUMEL
+"""Elements per tile: a multiple of every allowed int8 block (powers of two up to it)."""
+
+INT8_STATE: dict[type, dict[str, bool]] = {
+    torch.optim.Adam: {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False},
+    torch.optim.AdamW: {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False},
+    torch.optim.SGD: {"momentum_buffer": True},
+}
+"""The optimizers int8 state covers, and which map each state key takes (True: signed)."""
+
+Encoded = Union[Int8State, Bf16State]
+PieceKey = tuple[int, int]
+
+
+def check_low_precision(config: ZeroConfig, cls: type, stepped: Stepped) -> None:
+    """Raise, before training, for a combination the low-precision step does not cover."""
+    if config.optimizer_state_dtype == "int8" and cls not in INT8_STATE:
+        names = ", ".join(c.__name__ for c in INT8_STATE)
+        raise ValueError(f"optimizer_state_dtype='int8' covers {names}; {cls.__name__} is not one of them. Use "
+                         "optimizer_state_dtype='bf16' (any of torch's elementwise optimizers) or 'fp32'.")
+    if config.optimizer_state_dtype == "bf16" and cls not in ELEMENTWISE_OPTIMIZERS:
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(f"optimizer_state_dtype='bf16' covers torch's own elementwise optimizers ({names}); "
+                         f"{cls.__name__} is not one of them (a subclass may keep state the tiles do not see). Use "
+                         "optimizer_state_dtype='fp32'.")
+    if config.master_weights_dtype == "bf16":
+        dtypes = sorted({str(t.dtype) for ts in stepped.tensors for t in ts if t.dtype != torch.bfloat16})
+        if dtypes:
+            raise ValueError(f"master_weights_dtype='bf16' makes bf16 working weights their own master, but this "
+                             f"optimizer steps {', '.join(dtypes)} weights. Train with bf16 weights (precision "
+                             "'bf16-mixed' or 'bf16-true'), or keep master_weights_dtype='fp32'.")
+
+
+def _slot(key: str) -> int:
+    """Which random stream a state key's stochastic rounding draws from (0 is the weights')."""
+    return 1 + zlib.crc32(key.encode()) % 65521
+
+
+def _read_whole(value: Any) -> torch.Tensor:
+    """A loaded state value as a tensor (state read on demand has ``read_range``: see state.py)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return value.read_range(0, value.numel()).reshape(value.shape)
+
+
+class LowPrecisionStep(StepBackend):
+    """See [Note: the low-precision step]."""
+
+    def __init__(self, stepped: Stepped, config: ZeroConfig, owner: Any) -> None:
+        super().__init__(stepped, config, owner)
+        check_low_precision(config, stepped.cls, stepped)
+        self.config = config
+        self.owner = owner
+        index = {p: i for i, p in enumerate(p for g in owner.param_groups for p in g["params"])}
+        self.param_key: dict[PieceKey, int] = {}
+        self.quantized: dict[PieceKey, bool] = {}
+        for gi, g in enumerate(stepped.groups):
+            for pi, piece in enumerate(g.pieces):
+                self.param_key[(gi, pi)] = index[g.params[piece.param]]
+                full = g.layout.numels[piece.param]
+                self.quantized[(gi, pi)] = (config.optimizer_state_dtype != "fp32"
+                                            and full >= config.optimizer_state_min_numel)
+        self.encoded: dict[PieceKey, dict[str, list[Encoded]]] = {}  # per piece, per key, one per tile
+        self._loaded: dict[int, dict[str, torch.Tensor]] = {}  # fp32 state taken from a load, by inner index
+        stepped.inner.register_load_state_dict_pre_hook(self._take_loaded_state)
+
+    # ---- encodings -------------------------------------------------------------------------
+
+    def _piece(self, key: PieceKey) -> Any:
+        return self.stepped.groups[key[0]].pieces[key[1]]
+
+    def _new_encoding(self, key: PieceKey, name: str, start: int, numel: int, device: Any) -> Encoded:
+        if self.config.optimizer_state_dtype == "int8":
+            signed = INT8_STATE[self.stepped.cls].get(name)
+            if signed is None:
+                raise ValueError(f"{self.stepped.cls.__name__} made state {name!r}, which int8 state has no map for "
+                                 f"(known: {sorted(INT8_STATE[self.stepped.cls])}); use optimizer_state_dtype='bf16'.")
+            return Int8State.empty(numel, signed, self.config.optimizer_state_block_size, device)
+        return Bf16State(torch.zeros(numel, dtype=torch.bfloat16, device=device), self.config.stochastic_rounding,
+                         key=self.param_key[key], start=self._piece(key).param_start + start, slot=_slot(name))
+
+    tile_numel = TILE_NUMEL
+    """Elements per tile (a multiple of the int8 block; tests set smaller ones on an instance before
+    its first step: the tiles do not change the result)."""
+
+    def _tiles(self, numel: int) -> list[tuple[int, int]]:
+        n = self.tile_numel
+        assert n % self.config.optimizer_state_block_size == 0, "a tile holds whole int8 blocks"
+        return [(lo, min(numel, lo + n)) for lo in range(0, numel, n)] or [(0, 0)]
+
+    def _store(self, key: PieceKey, name: str, tile: int, value: torch.Tensor, seed: int, step: int) -> None:
+        tensor = self.stepped.tensors[key[0]][key[1]]
+        tiles = self._tiles(tensor.numel())
+        codes = self.encoded.setdefault(key, {})
+        if name not in codes:
+            codes[name] = [self._new_encoding(key, name, lo, hi - lo, tensor.device) for lo, hi in tiles]
+        target = codes[name][tile]
+        if isinstance(target, Bf16State):
+            target.encode_(value.reshape(-1), seed, step)
+        else:
+            target.encode_(value.reshape(-1))
+
+    def _store_whole(self, key: PieceKey, name: str, value: torch.Tensor) -> None:
+        """Encode a whole piece's fp32 state (a load, the end of ``state_in_memory``)."""
+        flat = value.detach().reshape(-1).float()
+        for t, (lo, hi) in enumerate(self._tiles(flat.numel())):
+            self._store(key, name, t, flat[lo:hi], self.config.stochastic_rounding_seed, 0)
+
+    def _decode_whole(self, key: PieceKey) -> dict[str, torch.Tensor]:
+        return {name: torch.cat([e.decode() for e in tiles]) for name, tiles in self.encoded.get(key, {}).items()}
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def update(self, grads: StepGradients) -> None:
+        grads.materialize()
+        assert grads.pairs is not None
+        by_piece = {where: grad.reshape(-1) for where, (_, grad) in zip(grads.where, grads.pairs)}
+        for group in self.owner.param_groups:  # the stochastic rounding's step (see the Note)
+            group["lowp_step"] = group.get("lowp_step", 0) + 1
+        inner, settings = self.stepped.inner, self.stepped.settings_of()
+        hooked_step(inner, lambda: self._step_pieces(by_piece, settings))
+        self.stepped.write_back()  # an fp32 master's rounding into bf16/fp16 working weights
+
+    def _step_pieces(self, by_piece: dict[PieceKey, torch.Tensor], settings: Any) -> None:
+        cls, kwargs, state = self.stepped.cls, self.stepped.kwargs, self.stepped.inner.state
+        seed = self.config.stochastic_rounding_seed
+        round_weights = self.config.master_weights_dtype == "bf16" and self.config.stochastic_rounding
+        for key, grad in by_piece.items():
+            setting = settings(*key)
+            if setting is None:
+                continue
+            user_index, hyper = setting
+            step = int(self.owner.param_groups[user_index].get("lowp_step", 0))
+            tensor = self.stepped.tensors[key[0]][key[1]]
+            entry = state.get(tensor, {})
+            quantized = self.quantized[key]
+            scalars_after: dict[str, Any] = {}
+            fp32_state: dict[str, torch.Tensor] = {}
+            start = self._piece(key).param_start
+            had = list(self.encoded.get(key, {}))  # the state before this step (its first tile may add some)
+            for t, (lo, hi) in enumerate(self._tiles(tensor.numel())):
+                part = tensor[lo:hi]
+                weights = part if part.dtype == torch.float32 else part.float()
+                scratch_state: dict[str, Any] = {k: copy_scalar(v) for k, v in entry.items() if not is_elementwise(v)}
+                if quantized:
+                    for name in had:
+                        scratch_state[name] = self.encoded[key][name][t].decode()
+                else:
+                    for name, v in entry.items():
+                        if is_elementwise(v):
+                            scratch_state[name] = v[lo:hi]  # torch's fp32 state, stepped in place
+                weights.grad = grad[lo:hi].float()
+                opt = cls([{**hyper, "params": [weights]}], **kwargs)
+                opt.state.clear()
+                if scratch_state:
+                    opt.state[weights] = scratch_state
+                try:
+                    unhooked_step(opt)
+                finally:
+                    weights.grad = None
+                new = opt.state.get(weights, {})
+                for name, value in new.items():
+                    if not is_elementwise(value):
+                        scalars_after[name] = value
+                    elif quantized:
+                        self._store(key, name, t, value, seed, step)
+                    elif not is_elementwise(entry.get(name)):  # state the piece gets at this step
+                        whole = fp32_state.setdefault(name, torch.empty(tensor.numel(), dtype=value.dtype,
+                                                                        device=value.device))
+                        whole[lo:hi].copy_(value.reshape(-1))
+                if weights is not part:
+                    part.copy_(round_to_bf16(weights, round_weights, seed, step, self.param_key[key], start + lo, 0)
+                               if part.dtype == torch.bfloat16 else weights)
+            merged = {k: v for k, v in entry.items() if is_elementwise(v)}
+            state[tensor] = {**merged, **fp32_state, **scalars_after}
+
+    # ---- checkpoints and loads -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def state_in_memory(self) -> Iterator[None]:
+        state = self.stepped.inner.state
+        decoded = []
+        for key in list(self.encoded):
+            tensor = self.stepped.tensors[key[0]][key[1]]
+            state[tensor] = {**state.get(tensor, {}), **self._decode_whole(key)}
+            decoded.append((key, tensor))
+        try:
+            yield
+        finally:
+            for key, tensor in decoded:
+                entry = self.stepped.inner.state.get(tensor, {})
+                for name in list(entry):
+                    if is_elementwise(entry[name]):
+                        self._store_whole(key, name, entry.pop(name))
+
+    def _take_loaded_state(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Before torch's load casts the state to the stepped tensors' dtype (bf16 masters), keep every
+        piece's elementwise state in fp32 here: ``state_loaded`` encodes it (or keeps it, fp32)."""
+        self._loaded = {}
+        state = dict(state_dict["state"])
+        for j, entry in list(state.items()):
+            self._loaded[j] = {k: _read_whole(v).float() for k, v in entry.items() if is_elementwise(v)}
+            state[j] = {k: v for k, v in entry.items() if not is_elementwise(v)}
+        return {**state_dict, "state": state}
+
+    def _inner_order(self) -> list[PieceKey]:
+        """The pieces in the order of the inner optimizer's parameters."""
+        where = {id(t): (gi, pi) for gi, ts in enumerate(self.stepped.tensors) for pi, t in enumerate(ts)}
+        return [where[id(t)] for g in self.stepped.inner.param_groups for t in g["params"]]
+
+    def state_loaded(self) -> None:
+        self.encoded = {}
+        order = self._inner_order()
+        state = self.stepped.inner.state
+        encoded = 0
+        for j, values in self._loaded.items():
+            key = order[j]
+            if not self.quantized[key]:
+                tensor = self.stepped.tensors[key[0]][key[1]]
+                state[tensor] = {**state.get(tensor, {}), **{k: v.clone() for k, v in values.items()}}
+                continue
+            for name, value in values.items():
+                self._store_whole(key, name, value)
+                encoded += 1
+        if encoded:
+            log.info("optimizer state loaded (fp32, as checkpoints hold it) and stored as %s: %d state tensors",
+                     self.config.optimizer_state_dtype, encoded)
+        self._loaded = {}
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        return {**super().held(), "stored_states": self.stored_tensors()}
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """The encoded state: int8 codes and their scales, or bf16 values."""
+        out: list[torch.Tensor] = []
+        for per_key in self.encoded.values():
+            for tiles in per_key.values():
+                for e in tiles:
+                    out += [e.codes, e.scales] if isinstance(e, Int8State) else [e.values]
+        return out
+
+    def stored_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stored_tensors())
