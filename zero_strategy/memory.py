@@ -67,7 +67,8 @@ def _bytes_per_parameter(precision: str) -> tuple[int, int, int, int]:
 def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precision: str | int = "32-true",
                     offload_optimizer: bool = False, offload_params: bool = False,
                     optimizer_state_bytes: Optional[float] = None, offload_disk: bool = False,
-                    async_save: bool = False) -> dict[str, int]:
+                    async_save: bool = False, local_accumulation: bool = False,
+                    grad_accum_dtype: str = "fp32") -> dict[str, int]:
     """Per-rank model-state bytes that the ZeRO paper's formula predicts, and where they live.
 
     Stage 0 is plain data parallelism. With mixed-precision Adam (K = 12) this gives the paper's
@@ -83,6 +84,9 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     (``offload_dir``) the optimizer state in files. Staging buffers of a few buckets are not counted.
     ``checkpoint_buffers`` (not in ``total``) is the host memory ``async_save`` keeps between saves:
     the rank's share of what a checkpoint holds, its pieces of the weights, masters and state.
+    ``local_accumulation`` (stages 2-3) adds the full-size local gradient buffer to the device's
+    ``grads``: 4 bytes per parameter with ``grad_accum_dtype="fp32"``, the working dtype's with
+    "working" (see [Note: local accumulation] in engine/local_accumulation.py).
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params={num_params!r} must be a non-negative integer")
@@ -116,6 +120,11 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
         where["device"]["master_params"] = master_b * num_params / shard
         where["device"]["grads"] = grad_b * num_params / (n if stage >= 2 else 1)
         where["device"]["optimizer_states"] = state_b * num_params / shard
+    if local_accumulation:
+        if stage < 2:
+            raise ValueError(f"local_accumulation=True needs stage 2 or 3 (got stage={stage}): stages 0-1 keep whole "
+                             "gradients until the step anyway")
+        where["device"]["grads"] += (4 if grad_accum_dtype == "fp32" else grad_b) * num_params
     out = {k: int(round(sum(where[loc][k] for loc in LOCATIONS))) for k in KEYS}
     out["total"] = sum(out[k] for k in KEYS)
     for loc in ("host", "disk"):

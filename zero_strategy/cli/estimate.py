@@ -63,15 +63,21 @@ def default_world_size(trainer_cfg: DictConfig) -> int:
     return count * int(trainer_cfg.get("num_nodes", 1))
 
 
-def estimate_rows(num_params: int, world_size: int, precision: str, offload: bool) -> list[dict[str, Any]]:
-    rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision)}
+def estimate_rows(num_params: int, world_size: int, precision: str, offload: bool,
+                  base: Optional[ZeroConfig] = None) -> list[dict[str, Any]]:
+    """The formula's rows per stage (and offload preset); ``base``'s local_accumulation counts at stages 2-3."""
+    def local(stage: int) -> dict[str, Any]:
+        on = base is not None and base.local_accumulation and stage >= 2
+        return dict(local_accumulation=on, grad_accum_dtype=base.grad_accum_dtype) if on else {}
+
+    rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision, **local(s))}
             for s in (0, 1, 2, 3)]
     if offload:
         variants = [(2, "optimizer", False, False), (3, "optimizer", False, False), (3, "opt+params", True, False),
                     (3, "disk+params", True, True)]  # the presets zero2_offload, zero3_offload (+ offload_dir)
         rows += [{"stage": s, "offload": name,
                   "estimate": estimate_memory(num_params, s, world_size, precision, offload_optimizer=True,
-                                              offload_params=par, offload_disk=disk)}
+                                              offload_params=par, offload_disk=disk, **local(s))}
                  for s, name, par, disk in variants]
     return rows
 
@@ -148,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     net = build_network(cfg.model)
     num_params = sum(p.numel() for p in net.parameters())
     stage = cfg.strategy.get("stage", 0) if "zero" in str(cfg.strategy.get("_target_", "")).lower() else 0
-    print_estimates(estimate_rows(num_params, world_size, precision, cfg.offload), num_params, world_size,
+    print_estimates(estimate_rows(num_params, world_size, precision, cfg.offload, base), num_params, world_size,
                     precision, stage, cfg.offload)
     if world_size > 1:
         rows = variant_rows(net, base, world_size, per_node, link, dtype=PRECISION_DTYPES[precision],

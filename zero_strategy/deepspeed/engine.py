@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -90,6 +91,9 @@ class ZeroEngine(nn.Module):
         self._engine_backward_depth = 0  # > 0 while backward() runs: see [Note: one division per path]
         self._scaled_for_backward = False  # scale() made the loss of the coming direct backward
         self._warned_unreachable = False
+        if self.optimizer is not None:  # local_accumulation: see [Note: local accumulation] in engine/local_accumulation.py
+            me = weakref.ref(self)  # the optimizer must not keep its engine alive
+            self.optimizer.defer_reduction_when(lambda: not _at_boundary(me))
 
     # ---- what tutorials ask of the engine ------------------------------------------------------
 
@@ -253,6 +257,12 @@ class ZeroEngine(nn.Module):
             self.optimizer.close()
         if self.sharder is not None:
             self.sharder.remove_hooks()
+
+
+def _at_boundary(engine: "weakref.ref[ZeroEngine]") -> bool:
+    """Whether the backward starting now is the one before an optimizer step (an engine gone: yes)."""
+    target = engine()
+    return target is None or target.is_gradient_accumulation_boundary()
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
