@@ -221,3 +221,27 @@ def test_initialize_reduces_once_per_boundary(runs, stage):
 def test_bad_settings_are_refused_with_what_to_do(options, message):
     with pytest.raises(ValueError, match=message):
         ZeroConfig(**options)
+
+
+def test_deepspeed_config_maps_local_accumulation_and_grad_accum_dtype():
+    from zero_strategy.deepspeed.config import DeepSpeedConfigError, map_deepspeed_config
+
+    settings = map_deepspeed_config({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"},
+                                     "zero_optimization": {"stage": 3, "local_accumulation": True}})
+    assert settings.strategy["local_accumulation"] is True and settings.strategy["grad_accum_dtype"] == "working"
+    settings = map_deepspeed_config({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+                                     "zero_optimization": {"stage": 2}})
+    assert settings.strategy["grad_accum_dtype"] == "fp32" and "local_accumulation" not in settings.strategy
+    assert any("without local_accumulation" in note for note in settings.notes)  # said, not silent
+    with pytest.raises(DeepSpeedConfigError, match=r"data_types.grad_accum_dtype=\"fp16\".*\"fp32\" or \"bf16\""):
+        map_deepspeed_config({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"},
+                              "zero_optimization": {"stage": 2}})
+
+
+def test_join_refuses_local_accumulation():
+    from zero_strategy import Join
+
+    model = Net()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), _config(2, local_accumulation=True))
+    with pytest.raises(ValueError, match="Join with local_accumulation=True"):
+        Join(model, opt)
