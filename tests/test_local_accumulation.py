@@ -68,12 +68,12 @@ def _count_reduce_scatters(comm: Collectives) -> list[int]:
     return calls
 
 
-def _engine_run(rank: int, stage: int, local: bool, how: str = "no_sync", dtype=torch.float32) -> dict:
+def _engine_run(rank: int, stage: int, local: bool, how: str = "no_sync", dtype=torch.float32, **options) -> dict:
     """STEPS optimizer steps of ACCUM micro-batches each; ``how``: "no_sync" (the micro-batches
     before the last inside ``no_sync``) or "all" (all of them inside it: the step reduces)."""
     torch.manual_seed(0)
     model = Net().to(dtype)
-    config = _config(stage, local_accumulation=local)
+    config = _config(stage, local_accumulation=local, **options)
     comm = Collectives()
     calls = _count_reduce_scatters(comm)
     sharder = shard_module(model, config, comm) if stage == 3 else None
@@ -102,7 +102,8 @@ def _engine_run(rank: int, stage: int, local: bool, how: str = "no_sync", dtype=
             "grads_bytes": grads_bytes, "numel": numel}
 
 
-CASES = {  # name: (stage, local, how, dtype)
+OFFLOAD = {"offload_optimizer": True, "offload_overlap": True}  # the host step started as segments arrive
+CASES = {  # name: (stage, local, how, dtype[, options])
     "s2": (2, False, "no_sync", torch.float32),
     "s2-local": (2, True, "no_sync", torch.float32),
     "s2-local-all": (2, True, "all", torch.float32),
@@ -110,6 +111,8 @@ CASES = {  # name: (stage, local, how, dtype)
     "s3-local": (3, True, "no_sync", torch.float32),
     "s3-bf16": (3, False, "no_sync", torch.bfloat16),
     "s3-local-bf16": (3, True, "no_sync", torch.bfloat16),
+    "s2-local-overlap": (2, True, "no_sync", torch.float32, OFFLOAD),
+    "s3-local-offload": (3, True, "no_sync", torch.float32, {"offload_optimizer": True, "offload_params": True}),
 }
 
 
@@ -141,7 +144,7 @@ def _initialize_run(rank: int, stage: int, local: bool) -> dict:
 
 
 def _all(rank: int, world_size: int) -> dict:
-    out = {name: _engine_run(rank, stage, local, how, dtype) for name, (stage, local, how, dtype) in CASES.items()}
+    out = {name: _engine_run(rank, *case[:4], **(case[4] if len(case) > 4 else {})) for name, case in CASES.items()}
     for stage in (2, 3):
         for local in (False, True):
             out[f"init-s{stage}{'-local' if local else ''}"] = _initialize_run(rank, stage, local)
@@ -176,6 +179,13 @@ def test_a_step_after_deferring_every_micro_batch_reduces_what_was_accumulated(r
     for rank in range(WORLD):
         _close(runs[rank]["s2-local-all"]["params"], runs[rank]["s2"]["params"], 1e-6)
         assert runs[rank]["s2-local-all"]["calls"] == runs[rank]["s2-local"]["calls"]
+
+
+@pytest.mark.parametrize("name, usual", [("s2-local-overlap", "s2"), ("s3-local-offload", "s3")])
+def test_local_accumulation_with_optimizer_offload(runs, name, usual):
+    for rank in range(WORLD):
+        _close(runs[rank][name]["params"], runs[rank][usual]["params"], 1e-6)
+        assert runs[rank][name]["calls"] == runs[rank][f"{usual}-local"]["calls"]
 
 
 def test_bf16_accumulates_in_an_fp32_buffer(runs):
