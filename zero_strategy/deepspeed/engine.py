@@ -16,7 +16,10 @@ gradient norm and clips to ``gradient_clipping`` (1.0 when the config has no suc
 DeepSpeed 0.19; 0 turns it off), steps the optimizer, steps the LR scheduler and zeroes the
 gradients. An fp16 step whose gradients overflowed on any rank is skipped (weights, optimizer state
 and the norm stay as they were), the scale moves (see [Note: DeepSpeed's dynamic loss scale]) and the
-LR scheduler is not stepped; ``global_steps`` counts it anyway, ``skipped_steps`` too.
+LR scheduler is not stepped; ``global_steps`` counts it anyway, ``skipped_steps`` too. With
+``"zero_optimization": {"local_accumulation": true}`` (stages 2-3; this package's key) a backward off
+the boundary reduces nothing and the boundary's reduces the sum once (see [Note: local accumulation]
+in engine/local_accumulation.py).
 
 [Note: stage 0]
 A config without ``zero_optimization`` (DeepSpeed's stage 0: plain data parallelism) runs as the

@@ -236,7 +236,10 @@ class ShardedGradientReducer(GradientReducer):
     complete segments are reduced asynchronously into a gradient shard while backward goes on, and
     only that shard outlives the backward pass. ``listener`` (stage 3's sharder) is told when a
     group's gradients are all in and when backward ends; ``host_listener`` (the overlapped step's)
-    when a segment's gradient is in its host shard (see overlap.py)."""
+    when a segment's gradient is in its host shard (see overlap.py). With ``local``
+    (``local_accumulation``) a deferred backward adds its gradients into full-size local buffers and
+    reduces nothing; the next backward, or ``reduce()``, reduces them (see [Note: local accumulation]
+    in local_accumulation.py)."""
 
     def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
                  host_dtypes: Optional[Sequence[torch.dtype]] = None, listener=None, host_listener=None,
