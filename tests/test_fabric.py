@@ -246,14 +246,19 @@ def _built_on_meta(rank: int, world_size: int) -> dict:
     def whole_bytes() -> int:  # parameters materialised and not yet sharded (a sharded one is empty)
         return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
 
-    for module in model.modules():  # the engine materialises each unit through its modules' reset_parameters
-        if hasattr(module, "reset_parameters"):
-            def measured(original=module.reset_parameters) -> None:
-                original()
-                peak[0] = max(peak[0], whole_bytes())
-            module.reset_parameters = measured
+    from zero_strategy.engine import materialize
+
+    allocate = materialize._allocate  # the engine gives each unit storage module by module, then shards it
+
+    def measured(module, device) -> None:
+        allocate(module, device)
+        peak[0] = max(peak[0], whole_bytes())
+    materialize._allocate = measured
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)  # over the meta parameters: they stay the same objects
-    model, optimizer = fabric.setup(model, optimizer)
+    try:
+        model, optimizer = fabric.setup(model, optimizer)
+    finally:
+        materialize._allocate = allocate
     held = fabric.strategy.memory_stats(model.module)["params"]
     initial = whole(fabric, model)
     zero_run = train(fabric, model, [optimizer], rank, steps=4)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below imports these
     from .activation import (SavedActivationMeter, apply_activation_checkpointing, offload_activations,
                              saved_activation_bytes)
-    from .checkpoint import consolidate_checkpoint
+    from .checkpoint import consolidate_checkpoint, export_hf_checkpoint
     from .config import ZeroConfig
     from .deepspeed.accelerator import get_accelerator
     from .deepspeed.arguments import add_config_arguments
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
 _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "SavedActivationMeter": "activation", "apply_activation_checkpointing": "activation",
     "offload_activations": "activation", "saved_activation_bytes": "activation",
-    "consolidate_checkpoint": "checkpoint",
+    "consolidate_checkpoint": "checkpoint", "export_hf_checkpoint": "checkpoint",
     "ZeroConfig": "config",
     "initialize": "deepspeed.engine", "init_distributed": "deepspeed.launch",  # DeepSpeed's loop API
     "add_config_arguments": "deepspeed.arguments", "get_accelerator": "deepspeed.accelerator",  # DeepSpeed's scripts
@@ -51,12 +51,14 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "ZeroOptimizer": "engine", "gathered_parameters": "engine.parameters",
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",
+    "load_pretrained": "pretrained", "sharded_init": "pretrained",
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
     "any_rank_busy": "generation", "Join": "engine.join",  # ranks whose work differs: see the README
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
-               "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "strategy")
+               "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "pretrained",
+               "strategy")
 # what `import zero_strategy as deepspeed` scripts reach as deepspeed.<name> (see zero_strategy/deepspeed/)
 _SUBMODULES += ("accelerator", "checkpointing", "comm", "moe", "ops", "pipe", "utils", "zero")
 

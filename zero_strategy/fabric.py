@@ -24,11 +24,13 @@ checkpoint written here resumes under the Trainer and the other way round.
 - ``autocast()`` (``forward_context``): floating-point tensors made inside default to the working
   dtype; ``"bf16-mixed"`` means bf16 weights with fp32 masters here (see [Note: precision]), so the
   model computes in bf16 with or without it. Outputs go back to fp32, as DeepSpeed's plugin does.
-- ``init_module(empty_init=True)``: at stage 3 the model is built on meta and materialised unit by
-  unit in setup, by its modules' ``reset_parameters()`` (as FSDP does it; every module holding
-  parameters or meta buffers needs one); at stages 1-2 the initialisation is skipped, for a
-  checkpoint to be loaded next. Without ``empty_init`` the model is built whole on the device and
-  sharded in setup (what suits models whose modules cannot reset themselves, such as transformers').
+- ``init_module(empty_init=True)``: at stage 3 the model's construction is recorded on meta and
+  replayed unit by unit in setup, each rank keeping its shards (the same values as an eager build:
+  see [Note: recorded construction] in engine/deferred_init.py), and ``from_pretrained`` inside it
+  streams its files into the shards (see [Note: pretrained weights into shards] in pretrained.py);
+  at stages 1-2 the initialisation is skipped, for a checkpoint to be loaded next.
+  ``fabric.load_raw(path, model)`` of safetensors weights (a file, or a Hugging Face directory)
+  reads each rank's slices the same way.
 - refused, with the call and what to do instead: a ``CheckpointIO`` plugin (checkpoints are written
   by the strategy), ``fabric.save(..., filter=...)`` of a sharded checkpoint, a checkpoint of two
   models, and a DeepSpeed config's loop settings (accumulation, clipping, optimizer, schedule).
@@ -70,7 +72,10 @@ from .frontend.named_state import load_named_state, save_named_state, save_named
 from .frontend.options import (DeepSpeedConfig, ProcessLayout, barrier, broadcast_object, check_world_size,
                                engine_arguments, process_group_backend, read_options)
 from .frontend.precision import generic_precision_name
+from .frontend.pretrained import save_pretrained
 from .memory import memory_stats
+from .checkpoint.pretrained_files import is_pretrained_path
+from .pretrained import load_pretrained, sharded_init
 
 log = logging.getLogger(__name__)
 
@@ -285,13 +290,13 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         model never exists whole on a rank (see [Note: init-time sharding] in engine/materialize.py)."""
         if self.config.stage == 3 and empty_init:
             stack = ExitStack()
-            stack.enter_context(torch.device("meta"))
+            stack.enter_context(sharded_init())  # recorded on meta; from_pretrained streams (pretrained.py)
             stack.enter_context(self.precision.module_init_context())
             return stack
         return super().module_init_context(empty_init)
 
     def module_sharded_context(self) -> AbstractContextManager:
-        return torch.device("meta") if self.config.stage == 3 else nullcontext()
+        return sharded_init() if self.config.stage == 3 else nullcontext()
 
     def module_to_device(self, module: nn.Module) -> None:
         move_module(module, self.root_device)  # meta tensors stay: see [Note: the order of setup]
@@ -370,6 +375,13 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         """``module``'s whole state dict on every rank (at stage 3 gathered unit by unit: a collective)."""
         return self._engine_of(module, "full_state_dict(model)").full_state_dict()
 
+    def save_pretrained(self, module: nn.Module, save_directory: Any, **options: Any) -> Any:
+        """Write ``module`` (set up by this strategy) in the Hugging Face layout from rank 0, one tensor
+        gathered at a time; options as ``zero_strategy.frontend.pretrained.save_pretrained``. A
+        collective: call ``fabric.strategy.save_pretrained(model, dir)`` on every rank."""
+        module = getattr(module, "_original_module", None) or module  # what fabric.setup returned, unwrapped
+        return save_pretrained(self._engine_of(module, "save_pretrained(model, dir)"), save_directory, **options)
+
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         engine = next((e for e in self._engines if e.module is module), None)
         return engine.full_state_dict() if engine is not None else module.state_dict()
@@ -419,6 +431,9 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
 
     def _load_raw_module(self, path: Path, module: nn.Module, strict: bool,
                          weights_only: Optional[bool]) -> dict[str, Any]:
+        if is_pretrained_path(path):  # safetensors weights: each rank reads its own slices (pretrained.py)
+            load_pretrained(module, path, strict=strict)
+            return {}
         if not path.is_file():
             return load_named_state(path, {"model": module}, self._engines, "fabric.load_raw", strict,
                                     self.options.verify_checkpoints, weights_only)

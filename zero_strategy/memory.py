@@ -67,8 +67,8 @@ def _bytes_per_parameter(precision: str) -> tuple[int, int, int, int]:
 def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precision: str | int = "32-true",
                     offload_optimizer: bool = False, offload_params: bool = False,
                     optimizer_state_bytes: Optional[float] = None, offload_disk: bool = False,
-                    async_save: bool = False, local_accumulation: bool = False,
-                    grad_accum_dtype: str = "fp32") -> dict[str, int]:
+                    trainable_params: Optional[int] = None, async_save: bool = False,
+                    local_accumulation: bool = False, grad_accum_dtype: str = "fp32") -> dict[str, int]:
     """Per-rank model-state bytes that the ZeRO paper's formula predicts, and where they live.
 
     Stage 0 is plain data parallelism. With mixed-precision Adam (K = 12) this gives the paper's
@@ -82,10 +82,12 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     in the master's dtype. Stage 1 keeps its full device gradient for autograd besides. Between
     uses, ``offload_params`` (stage 3) keeps the parameter shards on the host, and ``offload_disk``
     (``offload_dir``) the optimizer state in files. Staging buffers of a few buckets are not counted.
+    ``trainable_params`` (default: all of them) is how many get gradients, masters and optimizer state:
+    a LoRA model's adapters, its frozen base counted in ``params`` only.
     ``checkpoint_buffers`` (not in ``total``) is the host memory ``async_save`` keeps between saves:
     the rank's share of what a checkpoint holds, its pieces of the weights, masters and state.
     ``local_accumulation`` (stages 2-3) adds the full-size local gradient buffer to the device's
-    ``grads``: 4 bytes per parameter with ``grad_accum_dtype="fp32"``, the working dtype's with
+    ``grads``: 4 bytes per trainable parameter with ``grad_accum_dtype="fp32"``, the working dtype's with
     "working" (see [Note: local accumulation] in engine/local_accumulation.py).
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
@@ -100,37 +102,41 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
         raise ValueError("offload needs a ZeRO stage (1, 2 or 3), got stage=0 (plain data parallelism)")
     if offload_disk and not offload_optimizer:
         raise ValueError("offload_disk=True keeps optimizer state on disk, which needs offload_optimizer=True")
+    if trainable_params is not None and not 0 <= trainable_params <= num_params:
+        raise ValueError(f"trainable_params={trainable_params!r} must lie between 0 and num_params={num_params}")
     param_b, grad_b, master_b, state_b = _bytes_per_parameter(precision)
     if optimizer_state_bytes is not None:
         state_b = optimizer_state_bytes
     n = world_size
     shard = n if stage >= 1 else 1
+    trained = num_params if trainable_params is None else trainable_params
     where: dict[str, dict[str, float]] = {loc: {k: 0.0 for k in KEYS} for loc in LOCATIONS}
     where["host" if offload_params else "device"]["params"] = param_b * num_params / (n if stage >= 3 else 1)
     if offload_optimizer:
         host_master_b = master_b or param_b  # the host step needs its own copy of the weights
         if offload_params and master_b == 0:
             host_master_b = 0  # the host shard, in the working dtype, is its own master
-        where["host"]["master_params"] = host_master_b * num_params / shard
-        where["host"]["grads"] = (master_b or grad_b) * num_params / shard
+        where["host"]["master_params"] = host_master_b * trained / shard
+        where["host"]["grads"] = (master_b or grad_b) * trained / shard
         if stage == 1:
-            where["device"]["grads"] = grad_b * num_params  # autograd's full buffer
-        where["disk" if offload_disk else "host"]["optimizer_states"] = state_b * num_params / shard
+            where["device"]["grads"] = grad_b * trained  # autograd's full buffer
+        where["disk" if offload_disk else "host"]["optimizer_states"] = state_b * trained / shard
     else:
-        where["device"]["master_params"] = master_b * num_params / shard
-        where["device"]["grads"] = grad_b * num_params / (n if stage >= 2 else 1)
-        where["device"]["optimizer_states"] = state_b * num_params / shard
+        where["device"]["master_params"] = master_b * trained / shard
+        where["device"]["grads"] = grad_b * trained / (n if stage >= 2 else 1)
+        where["device"]["optimizer_states"] = state_b * trained / shard
     if local_accumulation:
         if stage < 2:
             raise ValueError(f"local_accumulation=True needs stage 2 or 3 (got stage={stage}): stages 0-1 keep whole "
                              "gradients until the step anyway")
-        where["device"]["grads"] += (4 if grad_accum_dtype == "fp32" else grad_b) * num_params
+        where["device"]["grads"] += (4 if grad_accum_dtype == "fp32" else grad_b) * trained  # trainable ones only
     out = {k: int(round(sum(where[loc][k] for loc in LOCATIONS))) for k in KEYS}
     out["total"] = sum(out[k] for k in KEYS)
     for loc in ("host", "disk"):
         out[loc] = int(round(sum(where[loc].values())))
     out["device"] = out["total"] - out["host"] - out["disk"]
-    out["checkpoint_buffers"] = int(round((param_b + master_b + state_b) * num_params / shard)) if async_save else 0
+    out["checkpoint_buffers"] = (int(round((param_b * num_params + (master_b + state_b) * trained) / shard))
+                                 if async_save else 0)
     return out
 
 

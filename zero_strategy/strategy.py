@@ -47,9 +47,11 @@ from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, 
 from .frontend.options import (ProcessLayout, barrier, broadcast_object, check_world_size, engine_arguments,
                                process_group_backend, read_options)
 from .frontend.job_end import watch_the_job
+from .frontend.pretrained import save_pretrained
 from .frontend.setup import engine_config
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
+from .pretrained import sharded_init
 
 _SHARDED = "_zero_sharded_checkpoint"  # a loaded checkpoint's reader, for the load hooks below
 # what Lightning's restore requires of a checkpoint, which one that another front end wrote (Fabric's,
@@ -276,7 +278,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         if self.config.stage != 3:
             yield
             return
-        with torch.device("meta"):
+        with sharded_init():  # recorded on meta; from_pretrained streams its files (pretrained.py)
             yield
 
     @property
@@ -358,6 +360,13 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         if self._sharder is None or self.config.stage < 3:  # whole on every rank
             return super().lightning_module_state_dict()
         return self._sharder.full_state_dict()
+
+    def save_pretrained(self, save_directory: Any, **options: Any) -> Any:
+        """Write the model in the Hugging Face layout (config.json, safetensors shards, their index; a peft
+        model merged, its adapter alone in ``save_directory/adapter``) from rank 0, one tensor gathered at
+        a time; options as ``zero_strategy.frontend.pretrained.save_pretrained``. A collective: call it on
+        every rank (in a hook every rank runs, such as ``on_train_end``)."""
+        return save_pretrained(self._engine, save_directory, **options)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self.state_dict_type == "sharded":

@@ -25,6 +25,7 @@ from ..engine.optimizer import ZeroOptimizer
 from ..engine.parameters import ParameterSharder
 from ..engine.state import is_elementwise
 from . import store
+from .hf_plan import hf_record
 from .store import CheckpointError, CheckpointReader, RankWriter
 
 if TYPE_CHECKING:
@@ -244,6 +245,9 @@ def _snapshot(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimiz
     if buffers is not None:  # the state outlives this call: training may change what it refers to
         state, extra, param_groups = copy.deepcopy((state, extra, param_groups))
     state["zero_checkpoint"] = {"model_keys": model_keys, "model_extra_state": extra}
+    export_plan = hf_record(module)  # what zero-consolidate --hf writes: see checkpoint/hf_plan.py
+    if export_plan is not None:
+        state["zero_checkpoint"]["hf_export"] = copy.deepcopy(export_plan) if buffers is not None else export_plan
     return _Snapshot(path, state, with_optimizers, param_groups, writer, record, stage, checksums)
 
 

@@ -323,6 +323,13 @@ class CheckpointReader:
                 "it holds objects of your own classes (in hyper-parameters or callback state) and you trust the "
                 "checkpoint, allow them with torch.serialization.add_safe_globals([...]).") from err
 
+    def close(self) -> None:
+        """Unmap the rank files (they reopen on the next read). safetensors reads them through a memory
+        map, and the pages read stay in this process's resident set while it is open: a reader that goes
+        through a whole checkpoint (``zero-consolidate --hf``) closes after each tensor, or its resident
+        set grows to the checkpoint's size."""
+        self._open.clear()
+
     def _file(self, name: str):
         if name not in self._open:
             try:

@@ -48,6 +48,7 @@ from ..activation import offload_activations
 from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer
 from ..frontend import EngineModel, WorkingPrecision, clip_grad_norm, setup_engine
+from ..frontend.pretrained import save_pretrained
 from . import engine_checkpoint
 from .arguments import local_rank_from_arguments, record_local_rank
 from .autocast import autocast_kwargs
@@ -250,6 +251,11 @@ class ZeroEngine(nn.Module):
         by unit), so every rank calls it; unlike DeepSpeed, stage 3 saves without
         ``stage3_gather_16bit_weights_on_model_save``, the gather costing one unit's memory at a time."""
         return engine_checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_pretrained(self, save_directory: Any, **options: Any) -> Any:
+        """Write the model in the Hugging Face layout from rank 0, one tensor gathered at a time; options as
+        ``zero_strategy.frontend.pretrained.save_pretrained``. A collective: call it on every rank."""
+        return save_pretrained(self.engine_model, save_directory, **options)
 
     def destroy(self) -> None:
         """Wait for a checkpoint being saved in the background, remove the engine's hooks from the model

@@ -62,7 +62,7 @@ from ..config import ZeroConfig
 from .collectives import Collectives
 from .flat import FlatGroup, ResidentGroup, ShardedGroup
 from .malloc import set_mmap_threshold
-from .materialize import materialize_meta
+from .materialize import is_deferred, materialize_meta
 from .order_guard import BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE, OrderGuard
 from .pool import BufferPool
 from .saved_weights import SavedWeights
@@ -209,16 +209,32 @@ class FlatParameters:
         return groups
 
     def _agree_on_plan(self) -> None:
-        """Every rank must cut the same units, or their all-gathers would not pair up."""
-        mine = [(u.name, sum(p.numel() for p in u.params)) for u in self.plan.units]
+        """Every rank must cut the same units, or their all-gathers would not pair up; and build the same
+        ones on the meta device, since a unit built there is filled from its recorded sources while a
+        real one is broadcast from rank 0 (the collectives would pair up wrongly, filling the shards
+        with another unit's bytes)."""
+        def fingerprint(name: str, params: Sequence[nn.Parameter]) -> tuple[str, int, int, int]:
+            return (name, sum(p.numel() for p in params), sum(p.is_meta for p in params),
+                    sum(p.is_meta and is_deferred(p) for p in params))
+
+        mine = [fingerprint(u.name, u.params) for u in self.plan.units]
+        mine += [fingerprint("(the root)", self.plan.root), fingerprint("(whole on every rank)", self.plan.resident)]
         plans = self.comm.all_gather_object(mine)
         for rank, theirs in enumerate(plans):
-            if theirs != mine:
-                diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), (len(mine), len(theirs)))
+            if [u[:2] for u in theirs] != [u[:2] for u in mine]:
+                diff = next(((a[:2], b[:2]) for a, b in zip(mine, theirs) if a[:2] != b[:2]), (len(mine), len(theirs)))
                 raise ValueError(
                     f"ZeRO stage 3: rank {rank} planned other units than rank {self.comm.rank} (first difference: "
                     f"{diff[1]} there, {diff[0]} here): the ranks built different models. Build the same model on "
                     "every rank (same code, config and dtype).")
+            if theirs != mine:
+                here, there = next((a, b) for a, b in zip(mine, theirs) if a != b)
+                raise ValueError(
+                    f"ZeRO stage 3: unit {here[0]!r} has {there[2]} parameters on the meta device ({there[3]} with "
+                    f"values to come from a file or a recorded construction) on rank {rank} and {here[2]} ({here[3]}) "
+                    f"on rank {self.comm.rank}: the ranks built the model in different ways (one inside the "
+                    "strategy's init context, configure_model or sharded_init, the other outside it, or loaded "
+                    "eagerly). Build it the same way on every rank.")
 
     def _flatten(self, params: list[nn.Parameter], resident: bool) -> list[FlatGroup]:
         """Flat groups of ``params``, materialised first if they are meta (one unit at a time)."""
@@ -228,8 +244,11 @@ class FlatParameters:
         for ps in split_groups(params, self._optimizer_of):
             trainable = ps[0].requires_grad
             # stage 3 builds units from rank 0's values (and materialises meta ones); stages 1-2 take the
-            # parameters as they are (equal on every rank, as for DDP)
-            common = dict(broadcast_from=self.comm if config.stage == 3 else None,
+            # parameters as they are (equal on every rank, as for DDP). A group whose every parameter gets
+            # its values later (a file or a recorded construction: fill_deferred) needs no broadcast; the
+            # ranks agree on which those are (_agree_on_plan)
+            from_rank0 = config.stage == 3 and not all(is_deferred(p) for p in ps)
+            common = dict(broadcast_from=self.comm if from_rank0 else None,
                           master_dtype=config.master_dtype if trainable else None,
                           offload_master=config.offload_optimizer and trainable)
             bucket = config.bucket_numel(ps[0].element_size())

@@ -15,7 +15,9 @@ wrappers, DeepSpeed's batch arithmetic and engine object) and takes everything e
   directory into any world size and stage, masters included (see [Note: one checkpoint format for
   every front end]); ``named_state.py`` the same for a dict of named objects, the form Fabric's
   ``fabric.save(path, state)`` takes (see [Note: named state]);
-- ``options.py``: the options the Lightning front ends share (checked once) and their process group.
+- ``options.py``: the options the Lightning front ends share (checked once) and their process group;
+- ``pretrained.py``: ``save_pretrained``, the Hugging Face export of a running job, and the guard on
+  transformers' own ``save_pretrained`` at stage 3.
 
 A third front end plugs in the same way: build a ``WorkingPrecision`` from its precision setting,
 call ``setup_engine`` where its API receives the model (and optimizers), call the optimizers'

@@ -51,9 +51,10 @@ from ..checkpoint.sharded import flat_groups
 from ..config import ZeroConfig
 from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
 from ..engine.flat import FlatGroup
-from ..engine.materialize import materialize_buffers
+from ..engine.materialize import fill_deferred, materialize_buffers, materialize_whole
 from ..generation import sync_generation
 from .precision import WorkingPrecision
+from .pretrained import guard_hf_save_pretrained
 
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
 
@@ -155,13 +156,27 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
     else:
         if config.stage == 3:
             materialize_buffers(module, device)
+        else:  # a model built inside the init context: whole, as stages 1-2 hold it
+            materialize_whole(module, device, _rank0_rng(comm, device))
         sync_module(module, comm, config.stage)
         if config.stage == 3 or built:
             model.sharder = shard_module(module, config, comm, device, built)
+        if config.stage == 3:  # pretrained or recorded values into the shards: see [Note: init-time sharding]
+            fill_deferred(module, model.sharder.groups, _rank0_rng(comm, device), device)
+            guard_hf_save_pretrained(model)  # transformers' own save_pretrained would write the empty shards
     sync_generation(module, config.stage, comm)
     if config.offload_activations:  # 6
         offload_activations_in_forward(module)
     return add_optimizers(model, built)  # 7
+
+
+def _rank0_rng(comm: Collectives, device: torch.device) -> Callable[[torch.Tensor], None]:
+    """Broadcast a CPU random state from rank 0, in place (through ``device``: NCCL sends no CPU tensor)."""
+    def broadcast(state: torch.Tensor) -> None:
+        on_device = state.to(device)
+        comm.broadcast(on_device, src=0, what=lambda: "broadcast of rank 0's random state for the model's replay")
+        state.copy_(on_device.cpu())
+    return broadcast
 
 
 def add_optimizers(model: EngineModel, optimizers: Sequence[torch.optim.Optimizer],
