@@ -137,7 +137,20 @@ def _loops(rank: int, world_size: int) -> dict:
                 result = train(fabric, model, optimizers, rank)
             result["warned"] = [str(w.message) for w in caught if "no_backward_sync" in str(w.message)]
             result["params"] = whole(fabric, model)
+            result["reduce_scatter"] = fabric.strategy.comm_stats()["reduce_scatter"] if name != "ddp" else 0
             runs[f"{name}{'-two' if two else ''}"] = result
+    for stage in (2, 3):  # local accumulation (issue 32): no_backward_sync then exchanges nothing
+        fabric = fabric_for(zero(stage, local_accumulation=True), world_size)
+        torch.manual_seed(0)
+        net = Net()
+        model, opt = fabric.setup(net, *optimizers_of(net, False))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = train(fabric, model, [opt], rank)
+        result["warned"] = [str(w.message) for w in caught if "no_backward_sync" in str(w.message)]
+        result["params"] = whole(fabric, model)
+        result["reduce_scatter"] = fabric.strategy.comm_stats()["reduce_scatter"]
+        runs[f"zero{stage}-local"] = result
     # precisions against fp32 with SGD, whose update is linear in the gradient (Adam's first steps follow only
     # the gradients' signs, so rounding noise in a near-zero gradient would move a weight by a whole lr)
     for precision in ("32-true", "bf16-mixed", "bf16-true", "16-mixed"):
@@ -189,6 +202,16 @@ def test_a_fabric_loop_at_every_stage_equals_fabric_ddp(loops, two):
             assert (len(got["warned"]) == 1) == (stage >= 2 and rank == 0), got["warned"]
     for name, value in loops[0]["zero3"]["params"].items():  # data parallel: the ranks agree
         assert torch.equal(value, loops[1]["zero3"]["params"][name]), name
+
+
+@pytest.mark.timeout(240)
+def test_fabric_no_backward_sync_with_local_accumulation_reduces_once_per_step(loops):
+    for runs in loops:
+        for stage in (2, 3):
+            got, usual = runs[f"zero{stage}-local"], runs[f"zero{stage}"]
+            assert_same(got, runs["ddp"], **FP32)
+            assert got["warned"] == []  # nothing to warn about: the context skips the exchange
+            assert got["reduce_scatter"] * 2 == usual["reduce_scatter"] > 0  # one of the two micro-batches reduces
 
 
 @pytest.mark.timeout(240)

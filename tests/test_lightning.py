@@ -81,6 +81,8 @@ ZERO_CASES = {  # what each strategy's tests read
     "zero_stage_3": ("manual",),
     "zero_stage_3_offload": ("plain",),  # test_offload.py's
     "zero2-offload-overlap": ("plain", "clip", "accumulate", "resume"),  # test_offload_overlap.py's
+    "zero2-local": ("accumulate",),  # local_accumulation
+    "zero3-linear-local": ("accumulate",),
 }
 
 
@@ -154,7 +156,7 @@ def test_trainer_matches_ddp(tmp_root, strategy):
     assert_comm_stats_predicted(zero)
 
 
-def assert_comm_stats_predicted(zero: list[dict]) -> None:
+def assert_comm_stats_predicted(zero: list[dict], accumulation_steps: int = 1) -> None:
     """comm_stats() after fit: the last training step's bytes, validation's gathers left out, equal
     the communication model's prediction for this model and config."""
     from zero_strategy.comm_model import predict_step_bytes
@@ -168,7 +170,7 @@ def assert_comm_stats_predicted(zero: list[dict]) -> None:
     with torch.device("meta"):
         model = Classifier()
     config = ZeroConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in zero[0]["config"].items()})
-    want = predict_step_bytes(model, config, 2)
+    want = predict_step_bytes(model, config, 2, accumulation_steps=accumulation_steps)
     for rank, z in enumerate(zero):
         assert z["comm"] == want, f"rank {rank}"
     assert want["total"] > 0
@@ -197,6 +199,21 @@ def test_clipping_by_norm_matches_ddp(tmp_root, strategy):
 def test_gradient_accumulation_matches_ddp(tmp_root, strategy):
     # 4 micro-batches per step: stage 2 reduces each into the gradient shard, stage 1 once
     assert_same_run(zero_runs(tmp_root, strategy)["accumulate"], ddp_run(tmp_root, "--accumulate", "4"))
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_local_accumulation_matches_ddp_and_reduces_once_per_step(tmp_root, stage):
+    """Trainer(accumulate_grad_batches=4) with local_accumulation: block_backward_sync defers the first
+    three micro-batches' reductions (see [Note: local accumulation] in engine/local_accumulation.py)."""
+    strategy = "zero2-local" if stage == 2 else "zero3-linear-local"
+    local = zero_runs(tmp_root, strategy)["accumulate"]
+    usual = zero_runs(tmp_root, "zero_stage_2" if stage == 2 else "zero3-linear")
+    assert_same_run(local, ddp_run(tmp_root, "--accumulate", "4"))
+    assert_comm_stats_predicted(local, accumulation_steps=4)
+    for z, plain, every in zip(local, usual["plain"], usual["accumulate"]):
+        assert z["comm"]["reduce_scatter"] == plain["comm"]["reduce_scatter"] > 0  # one micro-batch's worth
+        assert every["comm"]["reduce_scatter"] == 4 * z["comm"]["reduce_scatter"]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT)

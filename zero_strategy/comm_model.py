@@ -181,7 +181,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     secondary_inter = secondary is not None and nodes.spans_nodes(list(range(secondary)))
     trainable = [g for g in [*(g for u in units for g in u), *root, *resident] if g.trainable]
 
-    for _ in range(accumulation_steps):
+    for micro in range(accumulation_steps):
         step.phase = "forward"
         if config.stage == 3:
             for unit in [root, *units]:  # the root first: its pre-forward hook runs before any unit's
@@ -198,8 +198,8 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
                     step.gather(g, weights_q, secondary, secondary_inter)
                 else:
                     step.gather(g, weights_q, world_size, step.world_inter)
-        if config.stage >= 2:
-            for g in trainable:
+        if config.stage >= 2 and (not config.local_accumulation or micro == accumulation_steps - 1):
+            for g in trainable:  # local accumulation: once, at the boundary (see engine/local_accumulation.py)
                 step.reduce(g, grads_q)
     step.phase = "step"
     if config.stage == 1:
@@ -249,7 +249,8 @@ def variant_rows(module: nn.Module, base: ZeroConfig, world_size: int, ranks_per
                 continue  # a secondary group inside one node changes nothing or cannot exist here
             options["secondary_partition_size"] = ranks_per_node
         fields = dict(stage=stage, quantized_weights=False, quantized_gradients=None, secondary_partition_size=None,
-                      offload_params=base.offload_params and stage == 3)
+                      offload_params=base.offload_params and stage == 3,
+                      local_accumulation=base.local_accumulation and stage >= 2)
         config = replace(base, **{**fields, **options})
         phases = predict_step_bytes(module, config, world_size, ranks_per_node, by_phase=True, **kwargs)
         stats = {key: sum(p[key] for p in phases.values()) for key in next(iter(phases.values()))}

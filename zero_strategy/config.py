@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from .engine.quantize import QuantSpec
 
 SUPPORTED_STAGES = (1, 2, 3)
+GRAD_ACCUM_DTYPES = ("fp32", "working")
+"""What ``grad_accum_dtype`` takes: fp32, or the working weights' dtype (bf16/fp16/fp32)."""
 
 MIN_MMAP_THRESHOLD_MB, MAX_MMAP_THRESHOLD_MB = 0.125, 32
 """glibc's first mmap threshold and its largest on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``):
@@ -181,6 +183,33 @@ class ZeroConfig:
     """Parameters with fewer elements keep fp32 optimizer state (biases, norms), as the published
     8-bit optimizers do: they cost little and are the most sensitive."""
 
+    # ---- local accumulation (issue 32): see [Note: local accumulation] in engine/local_accumulation.py
+    local_accumulation: bool = False
+    """Stages 2-3: micro-batches before an accumulation boundary (inside Lightning's accumulation,
+    ``fabric.no_backward_sync``, or before ``initialize``'s boundary) add their gradients into a
+    full-size local buffer per rank instead of reduce-scattering them; the boundary's backward
+    reduce-scatters the sum once. One reduction per optimizer step instead of one per micro-batch,
+    at the cost of an unsharded gradient buffer (4 bytes per parameter in fp32). Off by default.
+    Stage 1 always accumulates locally (its gradients are whole until the step): refused there."""
+
+    grad_accum_dtype: str = "fp32"
+    """With local_accumulation: the dtype of the local buffer, "fp32" (the default: no rounding
+    over the micro-batches) or "working" (the parameters' dtype: half the bytes for bf16/fp16).
+    Without local_accumulation gradients accumulate in their reduced shard, in the working dtype,
+    whatever this says. DeepSpeed's ``data_types.grad_accum_dtype`` maps onto it."""
+
+    def _check_local_accumulation(self) -> None:
+        if not isinstance(self.local_accumulation, bool):
+            raise ValueError(f"local_accumulation={self.local_accumulation!r} must be True or False.")
+        if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+            raise ValueError(f"grad_accum_dtype={self.grad_accum_dtype!r} is not one of {GRAD_ACCUM_DTYPES}: \"fp32\" "
+                             "accumulates the local gradients in fp32 (the default), \"working\" in the parameters' "
+                             "own dtype (bf16/fp16 halve the buffer).")
+        if self.local_accumulation and self.stage == 1:
+            raise ValueError("local_accumulation=True at stage 1: stage 1 keeps whole gradients until the step and "
+                             "reduces them once per optimizer step already (in the working dtype), so there is "
+                             "nothing to defer. Drop local_accumulation, or use stage=2 or 3.")
+
     def __post_init__(self) -> None:
         if type(self.stage) is not int or self.stage not in SUPPORTED_STAGES:
             raise ValueError(
@@ -223,6 +252,7 @@ class ZeroConfig:
         self._check_memory_options()
         self._check_communication_options()
         self._check_low_precision_options()
+        self._check_local_accumulation()
 
     def _check_low_precision_options(self) -> None:
         states = ("fp32", "bf16", "int8")

@@ -15,7 +15,9 @@ checkpoint written here resumes under the Trainer and the other way round.
   context nothing is exchanged, as with DDP. Stages 2-3 reduce each micro-batch's gradients into
   the rank's shard as backward produces them (as DeepSpeed does; holding whole gradients over the
   micro-batches would undo what stage 2 saves), so the context cannot skip that exchange: the
-  results are the same, and a warning says so once.
+  results are the same, and a warning says so once. With ``local_accumulation=True`` stages 2-3
+  trade that memory for the exchange: inside the context gradients add into a full-size local
+  buffer, and the first backward outside reduces them once (see [Note: local accumulation]).
 - ``clip_gradients`` clips over every rank's shard (a collective: every rank calls it). An fp16
   overflow, after which ``step()`` skips the step, returns an inf norm; ``error_if_nonfinite``
   applies when there is no loss scaler to skip it.
@@ -62,6 +64,7 @@ from torch.optim import Optimizer
 
 from .config import ZeroConfig
 from .engine import Collectives, ZeroOptimizer
+from .engine.local_accumulation import deferred_reduction
 from .frontend import (EngineModel, WorkingPrecision, add_optimizers, clip_grad_norm, clip_grad_value,
                        load_full_model, move_module, setup_engine)
 from .frontend.job_end import watch_the_job
@@ -140,13 +143,16 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        self.strategy._engine_of(module, "fabric.no_backward_sync(model)")
+        engine = self.strategy._engine_of(module, "fabric.no_backward_sync(model)")
+        if self.strategy.config.local_accumulation:  # see [Note: local accumulation] in engine/local_accumulation.py
+            return deferred_reduction(engine.optimizers)
         if self.strategy.config.stage >= 2 and not self.warned:
             self.warned = True
             rank_zero_warn(f"fabric.no_backward_sync at ZeRO stage {self.strategy.config.stage}: each micro-batch's "
                            "gradients are still reduced into this rank's shard as backward produces them (keeping "
                            "whole gradients until the step would undo what stage 2 saves). Accumulation gives the "
-                           "same result; only stage 1 exchanges nothing until optimizer.step().")
+                           "same result; only stage 1 exchanges nothing until optimizer.step(), and stages 2-3 with "
+                           "local_accumulation=True (at the cost of a full-size gradient buffer).")
         return nullcontext()
 
 
@@ -190,6 +196,8 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         stochastic_rounding_seed: int = 0,
         optimizer_state_block_size: int = 256,
         optimizer_state_min_numel: int = 4096,
+        local_accumulation: bool = False,
+        grad_accum_dtype: str = "fp32",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

@@ -69,7 +69,8 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
                     optimizer_state_bytes: Optional[float] = None, offload_disk: bool = False,
                     trainable_params: Optional[int] = None, async_save: bool = False,
                     optimizer_state_dtype: str = "fp32", master_weights_dtype: str = "fp32",
-                    optimizer_state_block_size: int = 256) -> dict[str, int]:
+                    optimizer_state_block_size: int = 256,
+                    local_accumulation: bool = False, grad_accum_dtype: str = "fp32") -> dict[str, int]:
     """Per-rank model-state bytes that the ZeRO paper's formula predicts, and where they live.
 
     Stage 0 is plain data parallelism. With mixed-precision Adam (K = 12) this gives the paper's
@@ -94,6 +95,9 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     its scales) bytes each, and no master copy with bf16 masters (the working weights, bf16 only).
     Every parameter is counted as large (``optimizer_state_min_numel`` keeps fp32 state for small
     ones: a few per cent of a transformer's bytes at most).
+    ``local_accumulation`` (stages 2-3) adds the full-size local gradient buffer to the device's
+    ``grads``: 4 bytes per trainable parameter with ``grad_accum_dtype="fp32"``, the working dtype's with
+    "working" (see [Note: local accumulation] in engine/local_accumulation.py).
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params={num_params!r} must be a non-negative integer")
@@ -133,6 +137,11 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
         where["device"]["master_params"] = master_b * trained / shard
         where["device"]["grads"] = grad_b * trained / (n if stage >= 2 else 1)
         where["device"]["optimizer_states"] = state_b * trained / shard
+    if local_accumulation:
+        if stage < 2:
+            raise ValueError(f"local_accumulation=True needs stage 2 or 3 (got stage={stage}): stages 0-1 keep whole "
+                             "gradients until the step anyway")
+        where["device"]["grads"] += (4 if grad_accum_dtype == "fp32" else grad_b) * trained  # trainable ones only
     out = {k: int(round(sum(where[loc][k] for loc in LOCATIONS))) for k in KEYS}
     out["total"] = sum(out[k] for k in KEYS)
     for loc in ("host", "disk"):

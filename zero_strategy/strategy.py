@@ -38,6 +38,7 @@ from .config import ZeroConfig
 from .deepspeed.config import DeepSpeedSettings
 from .deepspeed.trainer import DeepSpeedConfig, apply_to_trainer, check_batch_size, optimizers_from_config
 from .engine import Collectives, ParameterSharder, ZeroOptimizer
+from .engine.local_accumulation import deferred_reduction
 from .engine.rank_board import mark
 from .engine.watchdog import install_sigterm_handler
 from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,
@@ -124,6 +125,8 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         stochastic_rounding_seed: int = 0,
         optimizer_state_block_size: int = 256,
         optimizer_state_min_numel: int = 4096,
+        local_accumulation: bool = False,
+        grad_accum_dtype: str = "fp32",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -433,6 +436,14 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
     @property
     def _zero_optimizers(self) -> list[ZeroOptimizer]:
         return [opt for opt in self.optimizers if isinstance(opt, ZeroOptimizer)]
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """The Trainer's micro-batches before an accumulation boundary: with ``local_accumulation``
+        (stages 2-3) their backward adds into local buffers and the boundary's reduces once (see [Note:
+        local accumulation] in engine/local_accumulation.py); otherwise each backward reduces as usual."""
+        with deferred_reduction(self._zero_optimizers):
+            yield
 
     def memory_stats(self) -> dict[str, int]:
         """This rank's bytes in params, grads, optimizer_states and master_params (and total), where they

@@ -133,6 +133,11 @@ def strategy(name: str):
         return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0, check_unit_order_every=1)
     if name == "zero2-offload-overlap":  # the host step started during backward
         return ZeroStrategy(stage=2, offload_optimizer=True, offload_overlap=True)
+    if name == "zero2-local":  # local accumulation: one reduction per optimizer step
+        return ZeroStrategy(stage=2, local_accumulation=True)
+    if name == "zero3-linear-local":
+        return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0, check_unit_order_every=1,
+                            local_accumulation=True)
     return name
 
 

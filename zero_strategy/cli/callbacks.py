@@ -137,7 +137,9 @@ class MemoryTable(Callback):
                                        optimizer_state_bytes=_state_bytes_per_param(trainer.optimizers),
                                        offload_optimizer=bool(getattr(config, "offload_optimizer", False)),
                                        offload_params=bool(getattr(config, "offload_params", False)),
-                                       offload_disk=getattr(config, "offload_dir", None) is not None)
+                                       offload_disk=getattr(config, "offload_dir", None) is not None,
+                                       local_accumulation=bool(getattr(config, "local_accumulation", False)),
+                                       grad_accum_dtype=getattr(config, "grad_accum_dtype", "fp32"))
         if trainer.is_global_zero:
             print_memory_table(self.measured, self.formula, self.num_params, self.stage, trainer.world_size,
                                trainer.precision)

@@ -64,19 +64,26 @@ def default_world_size(trainer_cfg: DictConfig) -> int:
 
 
 def estimate_rows(num_params: int, world_size: int, precision: str, offload: bool,
-                  low_precision: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
-    """``low_precision``: the strategy's optimizer_state_dtype, master_weights_dtype and block size
-    (see ``lowp_settings``), which the ZeRO stages' rows count (not DDP's, stage 0, nor offload's)."""
-    lowp = low_precision or {}
-    rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision,
-                                                                     **(lowp if s else {}))}
+                  base: Optional[ZeroConfig] = None) -> list[dict[str, Any]]:
+    """The formula's rows per stage (and offload preset). ``base``'s settings that change the bytes
+    count in the ZeRO stages' rows: its low-precision step (see ``lowp_settings``; not in DDP's row,
+    stage 0, nor offload's, which it does not support) and its local_accumulation (stages 2-3)."""
+    def settings(stage: int, offloaded: bool = False) -> dict[str, Any]:
+        if base is None or stage == 0:
+            return {}
+        out = {} if offloaded else lowp_settings(base)
+        if base.local_accumulation and stage >= 2:
+            out.update(local_accumulation=True, grad_accum_dtype=base.grad_accum_dtype)
+        return out
+
+    rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision, **settings(s))}
             for s in (0, 1, 2, 3)]
     if offload:
         variants = [(2, "optimizer", False, False), (3, "optimizer", False, False), (3, "opt+params", True, False),
                     (3, "disk+params", True, True)]  # the presets zero2_offload, zero3_offload (+ offload_dir)
         rows += [{"stage": s, "offload": name,
                   "estimate": estimate_memory(num_params, s, world_size, precision, offload_optimizer=True,
-                                              offload_params=par, offload_disk=disk)}
+                                              offload_params=par, offload_disk=disk, **settings(s, offloaded=True))}
                  for s, name, par, disk in variants]
     return rows
 
@@ -159,8 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     net = build_network(cfg.model)
     num_params = sum(p.numel() for p in net.parameters())
     stage = cfg.strategy.get("stage", 0) if "zero" in str(cfg.strategy.get("_target_", "")).lower() else 0
-    print_estimates(estimate_rows(num_params, world_size, precision, cfg.offload, lowp_settings(base)), num_params,
-                    world_size,
+    print_estimates(estimate_rows(num_params, world_size, precision, cfg.offload, base), num_params, world_size,
                     precision, stage, cfg.offload)
     if world_size > 1:
         rows = variant_rows(net, base, world_size, per_node, link, dtype=PRECISION_DTYPES[precision],

@@ -31,8 +31,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .autocast import AutocastSettings, read_torch_autocast
 from .keys import (AUTO_HINT, AUTO_OK, MAPPED, RULES, ZERO_ALIASES, DeepSpeedConfigError, Findings, is_auto,
-                   load_deepspeed_config, read_bf16_low_precision, read_flag, read_integer, read_number, read_section,
-                   read_zero_plus_plus, typo_hint)
+                   load_deepspeed_config, read_accumulation, read_bf16_low_precision, read_flag, read_integer,
+                   read_number, read_section, read_zero_plus_plus, typo_hint)
 from .optimizers import OptimizerFactory, optimizer_factory
 from .schedulers import scheduler_from_config
 
@@ -330,6 +330,8 @@ def map_deepspeed_config(config: Union[dict, str, os.PathLike], world_size: Opti
     strategy = reader.zero(read_section(config.get("zero_optimization") or {}, "zero_optimization"),
                            _element_size(config_precision or precision))
     strategy.update(read_bf16_low_precision(config, config_precision, reader))
+    strategy.update(read_accumulation(config, read_section(config.get("zero_optimization") or {},
+                                                           "zero_optimization"), config_precision, reader))
     if "zero_allow_untested_optimizer" in config:
         strategy["allow_untested_optimizer"] = read_flag(config["zero_allow_untested_optimizer"],
                                                          "zero_allow_untested_optimizer")

@@ -16,7 +16,10 @@ gradient norm and clips to ``gradient_clipping`` (1.0 when the config has no suc
 DeepSpeed 0.19; 0 turns it off), steps the optimizer, steps the LR scheduler and zeroes the
 gradients. An fp16 step whose gradients overflowed on any rank is skipped (weights, optimizer state
 and the norm stay as they were), the scale moves (see [Note: DeepSpeed's dynamic loss scale]) and the
-LR scheduler is not stepped; ``global_steps`` counts it anyway, ``skipped_steps`` too.
+LR scheduler is not stepped; ``global_steps`` counts it anyway, ``skipped_steps`` too. With
+``"zero_optimization": {"local_accumulation": true}`` (stages 2-3; this package's key) a backward off
+the boundary reduces nothing and the boundary's reduces the sum once (see [Note: local accumulation]
+in engine/local_accumulation.py).
 
 [Note: stage 0]
 A config without ``zero_optimization`` (DeepSpeed's stage 0: plain data parallelism) runs as the
@@ -34,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -91,6 +95,9 @@ class ZeroEngine(nn.Module):
         self._engine_backward_depth = 0  # > 0 while backward() runs: see [Note: one division per path]
         self._scaled_for_backward = False  # scale() made the loss of the coming direct backward
         self._warned_unreachable = False
+        if self.optimizer is not None:  # local_accumulation: see [Note: local accumulation] in engine/local_accumulation.py
+            me = weakref.ref(self)  # the optimizer must not keep its engine alive
+            self.optimizer.defer_reduction_when(lambda: not _at_boundary(me))
 
     # ---- what tutorials ask of the engine ------------------------------------------------------
 
@@ -259,6 +266,12 @@ class ZeroEngine(nn.Module):
             self.optimizer.close()
         if self.sharder is not None:
             self.sharder.remove_hooks()
+
+
+def _at_boundary(engine: "weakref.ref[ZeroEngine]") -> bool:
+    """Whether the backward starting now is the one before an optimizer step (an engine gone: yes)."""
+    target = engine()
+    return target is None or target.is_gradient_accumulation_boundary()
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,

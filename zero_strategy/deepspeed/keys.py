@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 __all__ = ["AUTO_HINT", "AUTO_OK", "DeepSpeedConfigError", "Findings", "MAPPED", "RULES", "Rule", "ZERO_ALIASES",
-           "is_auto", "load_deepspeed_config", "read_flag", "read_integer", "read_number", "read_section",
-           "read_zero_plus_plus", "typo_hint"]
+           "is_auto", "load_deepspeed_config", "read_accumulation", "read_flag", "read_integer", "read_number",
+           "read_section", "read_zero_plus_plus", "typo_hint"]
 
 
 class DeepSpeedConfigError(ValueError):
@@ -126,11 +126,12 @@ MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section (""
     "zero_optimization": frozenset({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size",
                                     "allgather_bucket_size", "stage3_param_persistence_threshold",
                                     "stage3_prefetch_bucket_size", "sub_group_size", "zero_quantized_weights",
-                                    "zero_hpz_partition_size", "zero_quantized_gradients"}),
+                                    "zero_hpz_partition_size", "zero_quantized_gradients",
+                                    "local_accumulation"}),  # this package's own: see read_accumulation
     "zero_optimization.offload_optimizer": frozenset({"device", "nvme_path", "pin_memory", "super_offload"}),
     "zero_optimization.offload_param": frozenset({"device", "nvme_path", "pin_memory"}),
     "activation_checkpointing": frozenset({"cpu_checkpointing"}),
-    "data_types": frozenset(),
+    "data_types": frozenset({"grad_accum_dtype"}),
 }
 
 RULES: dict[str, Rule] = {
@@ -169,8 +170,6 @@ RULES: dict[str, Rule] = {
     "managed_gradient_accumulation": _only(True, "accumulation boundaries are the strategy's, as DeepSpeed's "
                                            "default", "the strategy owns accumulation boundaries "
                                            "(Trainer(accumulate_grad_batches=...)); remove the key"),
-    "data_types.grad_accum_dtype": _only(None, "null: the default", "gradients accumulate in the working dtype "
-                                         "here; remove the key"),
     "data_types.param_dtype": _only(None, "null: the default", "the working dtype comes from fp16/bf16 or "
                                     "Trainer(precision=...); remove the key"),
     "data_types.buffer_dtype": _only(None, "null: the default", "buffers take the working dtype here; remove it"),
@@ -312,6 +311,38 @@ def typo_hint(key: str, prefix: str) -> str:
     if key in ("adam_w_mode", "torch_adam") and prefix == "optimizer":
         elsewhere = ["optimizer.params." + key]
     return f" (it belongs at {elsewhere[0]!r})" if elsewhere else ""
+
+
+# ---- local accumulation ---------------------------------------------------------------------------
+
+_ACCUM_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
+                 "float16": "fp16", "half": "fp16"}
+
+
+def read_accumulation(config: Mapping, zero: Mapping, precision: Any, findings: Findings) -> dict[str, Any]:
+    """ZeroConfig settings from ``zero_optimization.local_accumulation`` (this package's key, not
+    DeepSpeed's: stages 2-3 reduce once per optimizer step, see [Note: local accumulation] in
+    engine/local_accumulation.py) and ``data_types.grad_accum_dtype`` (the local buffer's dtype:
+    "fp32", or the fp16/bf16 the config trains in, read as "working")."""
+    kwargs: dict[str, Any] = {}
+    local = read_flag(zero.get("local_accumulation", False), "zero_optimization.local_accumulation")
+    if local:
+        kwargs["local_accumulation"] = True
+    types_section = read_section(config.get("data_types") or {}, "data_types")
+    value = types_section.get("grad_accum_dtype")
+    if value is None:
+        return kwargs
+    name = _ACCUM_DTYPES.get(value) if isinstance(value, str) else None
+    working = {"16-mixed": "fp16", "bf16-mixed": "bf16"}.get(precision, "fp32")
+    if name is None or name not in ("fp32", working):
+        findings.problems.append(f"data_types.grad_accum_dtype={json.dumps(value)}: gradients accumulate here in fp32 "
+                                 f"or in the working dtype ({working}, from fp16/bf16); use \"fp32\" or \"{working}\"")
+        return kwargs
+    kwargs["grad_accum_dtype"] = "fp32" if name == "fp32" else "working"
+    if not local and name != working:
+        findings.notes.append(f"data_types.grad_accum_dtype={value}: the dtype of local_accumulation's buffer (stages "
+                              f"2-3); without local_accumulation gradients accumulate in their reduced shard, in {working}")
+    return kwargs
 
 
 # ---- ZeRO++ ------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .collectives import Collectives, Pending, after
 from .flat import FlatGroup
 from .layout import Piece
+from .local_accumulation import LocalAccumulation
 from .offload import host_empty, wait_for_copies
 from .pool import BufferPool
 
@@ -235,11 +236,16 @@ class ShardedGradientReducer(GradientReducer):
     complete segments are reduced asynchronously into a gradient shard while backward goes on, and
     only that shard outlives the backward pass. ``listener`` (stage 3's sharder) is told when a
     group's gradients are all in and when backward ends; ``host_listener`` (the overlapped step's)
-    when a segment's gradient is in its host shard (see overlap.py)."""
+    when a segment's gradient is in its host shard (see overlap.py). With ``local``
+    (``local_accumulation``) a deferred backward adds its gradients into full-size local buffers and
+    reduces nothing; the next backward, or ``reduce()``, reduces them (see [Note: local accumulation]
+    in local_accumulation.py)."""
 
     def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
-                 host_dtypes: Optional[Sequence[torch.dtype]] = None, listener=None, host_listener=None) -> None:
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None, listener=None, host_listener=None,
+                 local: Optional[LocalAccumulation] = None) -> None:
         super().__init__(groups, comm, position, host_dtypes)
+        self.local = local  # local_accumulation: see [Note: local accumulation] in local_accumulation.py
         self.listener = listener
         self.host_listener = host_listener
         self._rank_in_order = {key: n for n, key in enumerate(self.order)}
@@ -263,14 +269,34 @@ class ShardedGradientReducer(GradientReducer):
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
             self._pool.begin_pass()
+            if self.local is not None:
+                self.local.begin_backward()
         grad, param.grad = param.grad, None
         group = self.groups[gi]
         key = (gi, group.layout.param_segments[i])
         seg = group.segments[key[1]]
+        if self.local is not None and self.local.takes(launched=self._rank_in_order[key] < self._next):
+            self.local.add(gi, i, grad)  # see [Note: local accumulation]
+            self._staged.setdefault(key, set()).add(i)
+        else:
+            self._stage(gi, i, key, grad)
+        if self._rank_in_order[key] < self._next:  # see [Note: late gradients]
+            self._late.add(key)
+        elif len(self._staged[key]) == len(seg.params):
+            self._segments_in[gi] += 1
+            if self.listener is not None and self._segments_in[gi] == len(group.segments):
+                self.listener.gradients_handed_over(group)
+            if self.local is None or not self.local.deferring:
+                self._launch_ready()
+
+    def _stage(self, gi: int, i: int, key: tuple[int, int], grad: torch.Tensor) -> None:
+        """Copy a gradient into its segment's staging buffer, divided by the world size."""
+        group = self.groups[gi]
+        seg = group.segments[key[1]]
         staging = self._staging.get(key)
         if staging is None:
             staging = self._staging[key] = self._take_staging(group, seg.numel)
-            self._staged[key] = set()
+            self._staged.setdefault(key, set())
         offset = group.layout.param_offsets[i] - seg.start
         dst = staging[offset : offset + grad.numel()]
         flat, n = grad.reshape(-1), self.comm.world_size  # average as DDP does: divide, then sum
@@ -279,15 +305,21 @@ class ShardedGradientReducer(GradientReducer):
         else:
             torch.div(flat, n, out=dst)  # the copy into staging, divided in the same pass (exact for n = 1)
             self._staged[key].add(i)
-        if self._rank_in_order[key] < self._next:  # see [Note: late gradients]
-            self._late.add(key)
-        elif len(self._staged[key]) == len(seg.params):
-            self._segments_in[gi] += 1
-            if self.listener is not None and self._segments_in[gi] == len(group.segments):
-                self.listener.gradients_handed_over(group)
-            self._launch_ready()
 
     def _on_backward_end(self) -> None:
+        if self.local is not None and self.local.deferring:  # nothing to reduce: see [Note: local accumulation]
+            self.local.deferring = False
+            self._pool.end_pass()
+            self._reset_backward_state()
+            if self.listener is not None:
+                self.listener.backward_finished()
+            return
+        self._launch_all()
+        if self.listener is not None:
+            self.listener.backward_finished()
+
+    def _launch_all(self) -> None:
+        """Launch every segment not launched yet, then the late ones, and wait for them all."""
         while self._next < len(self.order):
             self._launch(self.order[self._next], accumulate=False)
             self._next += 1
@@ -297,8 +329,13 @@ class ShardedGradientReducer(GradientReducer):
         self._pool.end_pass()
         self._shard_filled = True
         self._reset_backward_state()
-        if self.listener is not None:
-            self.listener.backward_finished()
+        if self.local is not None:
+            self.local.reduced()
+
+    def reduce(self) -> None:
+        if self.local is not None and self.local.pending:  # accumulated, and no boundary backward came
+            self._pool.begin_pass()
+            self._launch_all()
 
     def _launch_ready(self) -> None:
         while self._next < len(self.order):
@@ -315,9 +352,12 @@ class ShardedGradientReducer(GradientReducer):
         seg = group.segments[si]
         buffer = self._staging.pop(key, None)
         staged = self._staged.pop(key, set())
-        if buffer is None:  # no gradient reached this segment on this rank
+        if buffer is None:  # no gradient reached this segment on this rank, or all went to the local buffer
             buffer = self._take_staging(group, seg.numel)
         staging = buffer[: seg.numel]
+        if not accumulate and self.local is not None and self.local.take_segment(gi, seg, staging,
+                                                                                  self.comm.world_size):
+            staged = set(seg.params)  # the whole segment comes from the local buffer
         # A reused buffer holds earlier values: zero what no gradient overwrote (alignment gaps
         # between parameters land in padding that no piece reads).
         for i, off, n in zip(seg.params, seg.offsets, seg.numels):
@@ -357,10 +397,12 @@ class ShardedGradientReducer(GradientReducer):
         return FlatGroup.shard_slice(self.grad_shards[gi], piece)  # the host shard itself when offloaded
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return list(self.grad_shards)
+        return list(self.grad_shards) + (self.local.held_tensors() if self.local is not None else [])
 
     def zero_grad(self) -> None:
         super().zero_grad()
+        if self.local is not None:
+            self.local.drop()
         self._shard_filled = False
         for group in self.groups:
             for p in group.params:
@@ -369,11 +411,12 @@ class ShardedGradientReducer(GradientReducer):
 
 def make_reducer(groups: Sequence[FlatGroup], stage: int, comm: Collectives,
                  position: Mapping[torch.nn.Parameter, int], listener=None,
-                 host_dtypes: Optional[Sequence[torch.dtype]] = None, host_listener=None) -> GradientReducer:
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None, host_listener=None,
+                 local: Optional[LocalAccumulation] = None) -> GradientReducer:
     """Stage 1's reducer (full gradients, reduced before the step) or stages 2-3's (sharded, during
     backward; at stage 3 unit by unit, telling ``listener`` the sharder; ``host_listener``: see
     ShardedGradientReducer)."""
     if stage == 1:
         assert host_listener is None, "stage 1 reduces gradients only at the step"
         return FullGradientReducer(groups, comm, position, host_dtypes)
-    return ShardedGradientReducer(groups, comm, position, host_dtypes, listener, host_listener)
+    return ShardedGradientReducer(groups, comm, position, host_dtypes, listener, host_listener, local)

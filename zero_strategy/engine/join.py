@@ -153,6 +153,12 @@ class Join:
         self.steppers = [s for opt in optimizers for s in _steppers(opt)]
         self.calls: list[tuple[Any, str]] = [(obj, name) for obj, names in self.steppers for name in names]
         zero = _zero_optimizer(self.steppers[0][0])
+        if enable and any(getattr(_zero_optimizer(obj).reducer, "local", None) is not None for obj, _ in self.steppers):
+            raise ValueError("Join with local_accumulation=True: a joined rank replays the others' backward passes "
+                             "but cannot know which of them deferred their reduction (see [Note: local "
+                             "accumulation] in engine/local_accumulation.py), so the ranks' reduce-scatters would "
+                             "not pair up. Use local_accumulation=False inside Join, or give every rank the same "
+                             "number of batches.")
         self.comm: Collectives = zero.comm
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.comm.backend == "nccl"
                        else torch.device("cpu"))

@@ -28,6 +28,7 @@ from .collectives import Collectives, wait_all
 from .flat import FlatGroup
 from .gradients import make_reducer
 from .layout import Piece
+from .local_accumulation import LocalAccumulation
 from .offload import HOST
 from .optimizer_checks import (ELEMENTWISE_OPTIMIZERS, check_optimizer_supported, check_parameters, check_same_config,
                                constructor_kwargs)
@@ -141,7 +142,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer = make_reducer(self.groups, config.stage, self.comm, sharder.position,
                                     listener=sharder if config.stage == 3 else None,
                                     host_dtypes=dtypes if backend.on_host else None,
-                                    host_listener=self.step_backend.segment_listener)
+                                    host_listener=self.step_backend.segment_listener,
+                                    local=LocalAccumulation(self.groups, config.grad_accum_dtype)
+                                    if config.local_accumulation and config.stage >= 2 else None)
         if type(self) is ZeroOptimizer:
             self.__class__ = _named_like(cls)
 
@@ -164,6 +167,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                            self._stepped.user_group)):
             for pi, (piece, tensor, user_group) in enumerate(zip(g.pieces, tensors, user_groups)):
                 yield PieceRef(gi, g, pi, piece, tensor, g.params[piece.param], user_group)
+
+    # ---- local accumulation: see [Note: local accumulation] in local_accumulation.py ---------
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward passes inside add their gradients into this rank's local buffers; the next one
+        outside (or the step) reduces them all at once. Only with ``local_accumulation`` at stages 2-3;
+        otherwise nothing changes (stage 1 reduces at the step anyway; stages 2-3 without it reduce
+        every backward's gradients into the shard)."""
+        local = getattr(self.reducer, "local", None)
+        return local.no_sync() if local is not None else contextlib.nullcontext()
+
+    def defer_reduction_when(self, predicate: Optional[Callable[[], bool]]) -> None:
+        """With ``local_accumulation``: ask ``predicate`` at each backward's first gradient whether that
+        backward defers its reduction (``initialize``'s engine: off its accumulation boundary)."""
+        local = getattr(self.reducer, "local", None)
+        if local is not None:
+            local.defer_when = predicate
 
     # ---- the step --------------------------------------------------------------------------
 
