@@ -48,6 +48,10 @@ HANG_EXIT_CODE = 124
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
+ORDER_WAIT_S = 5.0
+"""How long a wait lasts before its ``waiting`` callback runs at every slice (the order guard
+compares what the ranks wait for on the store: see [Note: order guard] in order_guard.py)."""
+
 
 class CollectiveError(RuntimeError):
     """A collective failed (a peer's connection closed, the process group timed out)."""
@@ -66,8 +70,10 @@ class Watchdog:
         self.rank = rank
         self.watched = limit_s is not None and backend == "gloo"
 
-    def wait(self, work: dist.Work, what: Callable[[], str]) -> None:
-        """Wait for ``work``; ``what()`` describes it if the wait fails or outlasts the limit."""
+    def wait(self, work: dist.Work, what: Callable[[], str],
+             waiting: Optional[Callable[[float], None]] = None) -> None:
+        """Wait for ``work``; ``what()`` describes it if the wait fails or outlasts the limit.
+        ``waiting(seconds)`` runs at each slice once the wait has lasted ``ORDER_WAIT_S`` (it may raise)."""
         if not self.watched:
             work.wait()
             return
@@ -82,6 +88,8 @@ class Watchdog:
                     if "operation timed out" not in str(err).lower():  # not our slice ending: a real failure
                         raise CollectiveError(self._failed(what, err, time.monotonic() - start)) from err
                 waited = time.monotonic() - start
+                if waiting is not None and waited >= ORDER_WAIT_S:
+                    waiting(waited)
                 if _deferred_signal:
                     self._end(what, waited, "received SIGTERM while waiting", SIGTERM_EXIT_CODE)
                 cause = rank_board.board().divergence(what(), waited)
