@@ -118,10 +118,14 @@ def test_sigterm_ends_a_process_waiting_in_a_collective():
             p.wait()
 
 
-def test_check_unit_order_every_is_accepted_ignored_and_warned_about():
+def test_check_unit_order_every_is_accepted_ignored_and_warned_about_and_unit_order_wait_checked():
     from zero_strategy import ZeroConfig
 
     with pytest.warns(FutureWarning, match="check_unit_order_every=10 is deprecated and ignored"):
         ZeroConfig(stage=3, check_unit_order_every=10)
     with pytest.raises(ValueError, match="check_unit_order_every=0 must be a positive integer or None"):
         ZeroConfig(stage=3, check_unit_order_every=0)
+    with pytest.raises(ValueError, match="unit_order_wait=0 must be a positive number of seconds"):
+        ZeroConfig(stage=3, unit_order_wait=0)
+    with pytest.raises(ValueError, match="unit_order_wait=30 must be below collective_timeout=20"):
+        ZeroConfig(stage=3, unit_order_wait=30, collective_timeout=20)

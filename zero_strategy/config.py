@@ -99,6 +99,11 @@ class ZeroConfig:
     them before using the weights, raising naming what each rank was doing if they differ (see
     [Note: order guard] in engine/order_guard.py), at every pass."""
 
+    unit_order_wait: float = 5.0
+    """Stage 3, seconds: a rank that has waited this long for a unit's all-gather posts what it gathers
+    on the process group's store and compares with the others' (ranks whose collectives differ in
+    size or kind get no header to compare: see [Note: order guard]). Far below collective_timeout."""
+
     check_unit_order_every: Optional[int] = None
     """Deprecated, ignored (with a warning): the order guard used to check one pass in this many; it
     now checks every pass, at no extra collective (see [Note: the collective header])."""
@@ -180,6 +185,13 @@ class ZeroConfig:
                              "or None to leave glibc's own rule.")
         if not isinstance(self.check_unit_order, bool):
             raise ValueError(f"check_unit_order={self.check_unit_order!r} must be True or False.")
+        wait = self.unit_order_wait
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < math.inf:
+            raise ValueError(f"unit_order_wait={wait!r} must be a positive number of seconds (5 by default).")
+        if self.collective_timeout is not None and isinstance(self.collective_timeout, (int, float)) \
+                and wait >= self.collective_timeout:
+            raise ValueError(f"unit_order_wait={wait!r} must be below collective_timeout={self.collective_timeout!r}: "
+                             "the ranks compare what they gather before the watchdog ends the wait. Lower it.")
         every = self.check_unit_order_every
         if every is not None:
             if type(every) is not int or every < 1:

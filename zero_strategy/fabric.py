@@ -171,6 +171,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         activation_checkpointing_interval: int = 1,
         offload_activations: bool = False,
         check_unit_order: bool = True,
+        unit_order_wait: float = 5.0,
         check_unit_order_every: Optional[int] = None,
         collective_timeout: Optional[float] = 600.0,
         cpu_mmap_threshold_mb: Optional[float] = 4.0,

@@ -56,8 +56,10 @@ class UnitOrderError(RuntimeError):
 class OrderGuard:
     """Tags every gather and compares the tags every rank sent (see [Note: order guard])."""
 
-    def __init__(self, comm: Collectives, unit_names: Sequence[str], device: torch.device) -> None:
+    def __init__(self, comm: Collectives, unit_names: Sequence[str], device: torch.device,
+                 wait_s: float = 5.0) -> None:
         self.comm = comm
+        self.wait_s = wait_s  # ``unit_order_wait``: see _waiting_long
         self.names = list(unit_names)
         self.device = device
         self.deferred = device.type == "cuda"
@@ -82,10 +84,10 @@ class OrderGuard:
             return None
         self.seq += 1
         words = encode(self.passes, self.seq, unit, phase, context)
-        return Header(words, self._received, lambda waited: self._waiting_long(words))
+        return Header(words, self._received, lambda waited: waited >= self.wait_s and self._waiting_long(words))
 
     def _waiting_long(self, words: torch.Tensor) -> None:
-        """A wait for a gather has lasted ``ORDER_WAIT_S``: the ranks' collectives may differ in size
+        """A wait for a gather has lasted ``wait_s`` (``unit_order_wait``): the ranks' collectives may differ in size
         or kind, so that no header arrives. Post this gather's tag on the store and compare it with
         the ones the others posted for the same gather number: a difference is an UnitOrderError, a
         match or nothing yet goes on waiting (see [Note: order guard])."""

@@ -156,7 +156,7 @@ class FlatParameters:
         self.unit_of = {p: u for u in self.all_units for g in u.groups for p in g.params}
         self.full_numel = {p: n for g in self.groups for p, n in zip(g.params, g.layout.numels)}
         guard_device = self._device or (self.groups[0].device if self.groups else torch.device("cpu"))
-        self.guard = OrderGuard(comm, [u.name for u in self.all_units], guard_device)
+        self.guard = OrderGuard(comm, [u.name for u in self.all_units], guard_device, config.unit_order_wait)
         self.guard.enabled &= config.check_unit_order and config.stage == 3
         self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
         self._prev_of: dict[Unit, Unit] = {}

@@ -48,10 +48,6 @@ HANG_EXIT_CODE = 124
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
-ORDER_WAIT_S = 5.0
-"""How long a wait lasts before its ``waiting`` callback runs at every slice (the order guard
-compares what the ranks wait for on the store: see [Note: order guard] in order_guard.py)."""
-
 
 class CollectiveError(RuntimeError):
     """A collective failed (a peer's connection closed, the process group timed out)."""
@@ -73,7 +69,8 @@ class Watchdog:
     def wait(self, work: dist.Work, what: Callable[[], str],
              waiting: Optional[Callable[[float], None]] = None) -> None:
         """Wait for ``work``; ``what()`` describes it if the wait fails or outlasts the limit.
-        ``waiting(seconds)`` runs at each slice once the wait has lasted ``ORDER_WAIT_S`` (it may raise)."""
+        ``waiting(seconds waited)`` runs at each slice of a watched wait (it may raise: the order guard
+        compares on the store what the ranks gather, see [Note: order guard] in order_guard.py)."""
         if not self.watched:
             work.wait()
             return
@@ -88,7 +85,7 @@ class Watchdog:
                     if "operation timed out" not in str(err).lower():  # not our slice ending: a real failure
                         raise CollectiveError(self._failed(what, err, time.monotonic() - start)) from err
                 waited = time.monotonic() - start
-                if waiting is not None and waited >= ORDER_WAIT_S:
+                if waiting is not None:
                     waiting(waited)
                 if _deferred_signal:
                     self._end(what, waited, "received SIGTERM while waiting", SIGTERM_EXIT_CODE)
