@@ -69,7 +69,7 @@ CASES = {
     "stage3-qgZ-int8": (3, {"quantized_gradients": "int8"}, torch.float32, False),
     "stage3-zero++": (3, {"quantized_weights": True, "secondary_partition_size": 2, "quantized_gradients": "int4"},
                       torch.float32, True),
-    # without the order guard's tag all-gathers: the parameters' all-gathers alone
+    # without the order guard's headers: the parameters' all-gathers alone
     "stage3-noguard": (3, {"check_unit_order": False}, torch.float32, False),
     "stage3-noguard-bf16": (3, {"check_unit_order": False}, torch.bfloat16, False),
     "stage3-noguard-qwZ": (3, {"check_unit_order": False, "quantized_weights": True,

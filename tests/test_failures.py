@@ -118,18 +118,14 @@ def test_sigterm_ends_a_process_waiting_in_a_collective():
             p.wait()
 
 
-def test_the_order_guard_checks_the_first_passes_then_one_in_every():
-    from zero_strategy.engine import Collectives
-    from zero_strategy.engine.order_guard import FULL_CHECK_PASSES, OrderGuard
+def test_check_unit_order_every_is_accepted_ignored_and_warned_about_and_unit_order_wait_checked():
+    from zero_strategy import ZeroConfig
 
-    guard = OrderGuard(Collectives(), ["unit"], torch.device("cpu"), every=10)
-    checked = []
-    for _ in range(40):
-        guard.begin_pass()
-        checked.append(guard.active)
-    assert FULL_CHECK_PASSES == 10
-    assert [p for p, c in enumerate(checked, start=1) if c] == [*range(1, 11), 20, 30, 40]
-    every_pass = OrderGuard(Collectives(), ["unit"], torch.device("cpu"), every=1)
-    for _ in range(40):
-        every_pass.begin_pass()
-        assert every_pass.active
+    with pytest.warns(FutureWarning, match="check_unit_order_every=10 is deprecated and ignored"):
+        ZeroConfig(stage=3, check_unit_order_every=10)
+    with pytest.raises(ValueError, match="check_unit_order_every=0 must be a positive integer or None"):
+        ZeroConfig(stage=3, check_unit_order_every=0)
+    with pytest.raises(ValueError, match="unit_order_wait=0 must be a positive number of seconds"):
+        ZeroConfig(stage=3, unit_order_wait=0)
+    with pytest.raises(ValueError, match="unit_order_wait=30 must be below collective_timeout=20"):
+        ZeroConfig(stage=3, unit_order_wait=30, collective_timeout=20)

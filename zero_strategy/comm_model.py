@@ -7,8 +7,9 @@ the meta device) and lists the collectives of one training step:
 
 - stage 3, forward: the root unit's all-gathers, then each unit's, once (quantized with
   ``quantized_weights``); backward: each unit's again (from the secondary partition, within its
-  group, with ``secondary_partition_size``); in a pass the order guard checks, one all-gather of 5 int64 tags
-  over all ranks before each of these unit gathers;
+  group, with ``secondary_partition_size``); with the order guard on, each of these all-gathers
+  carries 16 bytes of header per rank of its group (see [Note: the collective header] in
+  engine/collective_header.py);
 - every stage: one reduce-scatter per gradient segment (stages 2-3 in backward, per micro-batch;
   stage 1 once, before the step), quantized with ``quantized_gradients``;
 - the step: one all-reduce of a byte per trainable parameter (which got a gradient), one of the
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig
+from .engine.collective_header import HEADER_BYTES
 from .engine.comm_volume import CommCounter, NodeLayout, sent_bytes
 from .engine.flat import _ONE_SEGMENT
 from .engine.layout import GroupLayout, align_elements, plan_group
@@ -45,8 +47,6 @@ from .engine.unit_plan import plan_units
 PHASES = ("forward", "backward", "step")
 """Where a training step's collectives happen (``predict_step_bytes(by_phase=True)``)."""
 
-GUARD_TAG_BYTES = 5 * 8
-"""One order-guard tag: 5 int64 (see [Note: order guard] in engine/order_guard.py)."""
 
 
 @dataclass(frozen=True)
@@ -110,11 +110,14 @@ class _Step:
         self.counter.add(kind, sent, inter_node)
         self.phases[self.phase].add(kind, sent, inter_node)
 
-    def gather(self, group: _Group, quantize: Optional[QuantSpec], over: int, inter_node: bool) -> None:
-        """One group's all-gathers over ``over`` ranks (the world's, or a secondary group's)."""
+    def gather(self, group: _Group, quantize: Optional[QuantSpec], over: int, inter_node: bool,
+               header: bool) -> None:
+        """One group's all-gathers over ``over`` ranks (the world's, or a secondary group's); ``header``:
+        each carries the order guard's (see [Note: the collective header])."""
         n = self.nodes.world_size
         for seg in group.layout.segments:
             out = n * packed_row_bytes(seg.shard_numel, quantize) if quantize else seg.numel * group.element_size
+            out += over * HEADER_BYTES if header else 0
             self.add("all_gather", "all_gather", out, over, inter_node)
 
     def reduce(self, group: _Group, quantize: Optional[QuantSpec]) -> None:
@@ -154,9 +157,9 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     """The bytes one rank sends in one training step of ``module`` under ``config`` (see [Note: the
     communication model]): the keys of ``comm_stats()``. ``dtype`` is the working weights' (default:
     the parameters' own); ``loss_scaling``
-    (fp16) and ``clipping`` add their small all-reduces; ``order_checked``: a step whose pass the order
-    guard checks (the first passes, then one in ``check_unit_order_every``: see [Note: order guard] in
-    engine/order_guard.py), which sends its tags. With ``by_phase`` the same, per phase
+    (fp16) and ``clipping`` add their small all-reduces; ``order_checked``: the order guard's headers
+    ride in the stage-3 all-gathers (see [Note: order guard] in engine/order_guard.py; False: as
+    with the guard turned off). With ``by_phase`` the same, per phase
     ("forward", "backward", "step"). ``module`` may be on the meta device.
     """
     if accumulation_steps < 1:
@@ -185,19 +188,15 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
         step.phase = "forward"
         if config.stage == 3:
             for unit in [root, *units]:  # the root first: its pre-forward hook runs before any unit's
-                if guard:
-                    step.world_collective("all_gather", world_size * GUARD_TAG_BYTES)
                 for g in unit:
-                    step.gather(g, weights_q, world_size, step.world_inter)
+                    step.gather(g, weights_q, world_size, step.world_inter, guard)
         step.phase = "backward"
         for unit in reversed(units):
-            if guard:
-                step.world_collective("all_gather", world_size * GUARD_TAG_BYTES)
             for g in unit:
                 if secondary is not None:
-                    step.gather(g, weights_q, secondary, secondary_inter)
+                    step.gather(g, weights_q, secondary, secondary_inter, guard)
                 else:
-                    step.gather(g, weights_q, world_size, step.world_inter)
+                    step.gather(g, weights_q, world_size, step.world_inter, guard)
         if config.stage >= 2 and (not config.local_accumulation or micro == accumulation_steps - 1):
             for g in trainable:  # local accumulation: once, at the boundary (see engine/local_accumulation.py)
                 step.reduce(g, grads_q)

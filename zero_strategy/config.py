@@ -7,6 +7,7 @@ a message that names the value, what is allowed, and what to do instead.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -98,13 +99,18 @@ class ZeroConfig:
     """Keep the activations saved for backward in host memory (pinned on CUDA) until backward."""
 
     check_unit_order: bool = True
-    """Stage 3: before each unit's all-gather, check that every rank is gathering the same unit, and
-    raise naming what each rank was doing if not (see [Note: order guard] in engine/order_guard.py),
-    in every one of the first passes and then in every ``check_unit_order_every``-th."""
+    """Stage 3: every unit's all-gathers carry what each rank gathers them for, and every rank checks
+    them before using the weights, raising naming what each rank was doing if they differ (see
+    [Note: order guard] in engine/order_guard.py), at every pass."""
 
-    check_unit_order_every: int = 10
-    """After the order guard's first passes (``FULL_CHECK_PASSES``, 10), check one pass in this many
-    (1: every pass). Checking every pass costs 3-6% of a CPU step (benchmarks/RESULTS.md)."""
+    unit_order_wait: float = 5.0
+    """Stage 3, seconds: a rank that has waited this long for a unit's all-gather posts what it gathers
+    on the process group's store and compares with the others' (ranks whose collectives differ in
+    size or kind get no header to compare: see [Note: order guard]). Far below collective_timeout."""
+
+    check_unit_order_every: Optional[int] = None
+    """Deprecated, ignored (with a warning): the order guard used to check one pass in this many; it
+    now checks every pass, at no extra collective (see [Note: the collective header])."""
 
     collective_timeout: Optional[float] = 600.0
     """Seconds a gloo collective of the engine may wait before the process ends, printing what it
@@ -244,10 +250,21 @@ class ZeroConfig:
                              "or None to leave glibc's own rule.")
         if not isinstance(self.check_unit_order, bool):
             raise ValueError(f"check_unit_order={self.check_unit_order!r} must be True or False.")
+        wait = self.unit_order_wait
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < math.inf:
+            raise ValueError(f"unit_order_wait={wait!r} must be a positive number of seconds (5 by default).")
+        if self.collective_timeout is not None and isinstance(self.collective_timeout, (int, float)) \
+                and wait >= self.collective_timeout:
+            raise ValueError(f"unit_order_wait={wait!r} must be below collective_timeout={self.collective_timeout!r}: "
+                             "the ranks compare what they gather before the watchdog ends the wait. Lower it.")
         every = self.check_unit_order_every
-        if type(every) is not int or every < 1:
-            raise ValueError(f"check_unit_order_every={every!r} must be a positive integer: check one pass in this "
-                             "many after the first ones (1: every pass; check_unit_order=False: none).")
+        if every is not None:
+            if type(every) is not int or every < 1:
+                raise ValueError(f"check_unit_order_every={every!r} must be a positive integer or None (it is "
+                                 "deprecated and ignored: drop it).")
+            warnings.warn(f"check_unit_order_every={every} is deprecated and ignored: the order guard checks every "
+                          "pass now, at no extra collective (its tags ride in the all-gathers). Drop the setting "
+                          "(check_unit_order=False turns the guard off).", FutureWarning, stacklevel=3)
 
         self._check_memory_options()
         self._check_communication_options()

@@ -130,13 +130,13 @@ def loaders():
 def strategy(name: str):
     if name == "zero3-linear":  # every Linear its own unit, nothing resident: the real stage 3 paths
         # the order guard checks every pass here, so that comm_stats() of the last step holds its tags
-        return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0, check_unit_order_every=1)
+        return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0)
     if name == "zero2-offload-overlap":  # the host step started during backward
         return ZeroStrategy(stage=2, offload_optimizer=True, offload_overlap=True)
     if name == "zero2-local":  # local accumulation: one reduction per optimizer step
         return ZeroStrategy(stage=2, local_accumulation=True)
     if name == "zero3-linear-local":
-        return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0, check_unit_order_every=1,
+        return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0,
                             local_accumulation=True)
     return name
 

@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .collective_header import Header
 from .comm_volume import CommCounter, NodeLayout, sent_bytes
 from .quantize import QuantSpec, dequantize_sum, quantize_rows
 from .watchdog import Watchdog
@@ -80,17 +81,19 @@ class Pending:
     """A collective in flight. ``wait()`` blocks until it is done, then runs what completes it."""
 
     def __init__(self, work: Optional[dist.Work] = None, then: Optional[Callable[[], object]] = None,
-                 watchdog: Optional[Watchdog] = None, what: Describe = _unnamed) -> None:
+                 watchdog: Optional[Watchdog] = None, what: Describe = _unnamed,
+                 waiting: Optional[Callable[[float], None]] = None) -> None:
         self._work = work
         self._then = then
         self._watchdog = watchdog
         self._what = what
+        self._waiting = waiting  # see Watchdog.wait
 
     def wait(self) -> None:
         if self._work is not None:
             work, self._work = self._work, None
             if self._watchdog is not None:
-                self._watchdog.wait(work, self._what)
+                self._watchdog.wait(work, self._what, self._waiting)
             else:
                 work.wait()
         if self._then is not None:
@@ -140,8 +143,9 @@ class Collectives:
         self.inter_node = self.nodes.spans_nodes(self.global_ranks)
         self._by_broadcasts: Optional[bool] = None  # see _gathers_by_broadcasts
 
-    def _pending(self, work: Optional[dist.Work], then: Optional[Callable[[], object]], what: Describe) -> Pending:
-        return Pending(work, then, self.watchdog, what)
+    def _pending(self, work: Optional[dist.Work], then: Optional[Callable[[], object]], what: Describe,
+                 waiting: Optional[Callable[[float], None]] = None) -> Pending:
+        return Pending(work, then, self.watchdog, what, waiting)
 
     def _count(self, kind: str, algorithm: str, nbytes: int) -> None:
         self.counter.add(kind, sent_bytes(algorithm, nbytes, self.world_size), self.inter_node)
@@ -241,15 +245,40 @@ class Collectives:
             return self._pending(work, lambda: torch.sum(received.view(n, -1), 0, out=output.view(-1)), what)
         return self._pending(_reduce_scatter_single(output, input, group=self.group, async_op=True), None, what)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: Describe = _unnamed) -> Pending:
-        """Concatenate every rank's ``input`` into ``output``; ``input`` may alias its own chunk."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: Describe = _unnamed,
+                   header: Optional[Header] = None) -> Pending:
+        """Concatenate every rank's ``input`` into ``output``; ``input`` may alias its own chunk.
+        ``header``: sent in the same collective, checked once waited (see [Note: the collective header])."""
         if self.world_size == 1:
             return Pending(then=lambda: _copy_unless_same(output, input))
+        if header is not None:
+            return self._all_gather_with_header(output, input, what, header)
         nbytes = output.numel() * output.element_size()
         self._count("all_gather", "all_gather", nbytes)
         if self.backend == "gloo" and nbytes >= BROADCAST_GATHER_BYTES and self._gathers_by_broadcasts():
             return self._gather_by_broadcasts(output, input, what)  # see [Note: all-gather on gloo]
         return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what)
+
+    def _all_gather_with_header(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
+                                header: Header) -> Pending:
+        """One collective of every rank's ``input`` and header (see [Note: the collective header]).
+        On gloo it is gloo's coalesced all-gather, never broadcasts (see [Note: all-gather on gloo]):
+        a broadcast per rank has no room for the header without a copy of the chunk."""
+        n = self.world_size
+        received = header.receive_buffer(n, input.dtype, input.device)
+        send = header.send_as(input.dtype, input.device)
+        self._count("all_gather", "all_gather", output.numel() * output.element_size()
+                    + received.numel() * received.element_size())
+        chunks = output.view(n, -1)
+        if self.backend == "gloo":
+            group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+            work = group.allgather_coalesced([[chunks[r], received[r]] for r in range(n)], [input.view(-1), send])
+        else:
+            with dist._coalescing_manager(self.group, input.device, async_ops=True) as coalesced:
+                _all_gather_single(output, input.view(-1), group=self.group)
+                _all_gather_single(received.view(-1), send, group=self.group)
+            work = _Works(coalesced.works)
+        return self._pending(work, lambda: header.received(received), what, header.waiting)
 
     def _gathers_by_broadcasts(self) -> bool:
         """Whether every rank of the group computes on one thread: asked of them all together on the
@@ -345,6 +374,18 @@ class Collectives:
     def global_rank(self, rank: int) -> int:
         """The default group's number of this group's ``rank`` (what torch.distributed's ``src`` means)."""
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+class _Works:
+    """Several works waited for as one (a coalesced group's)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self, timeout: Optional[Any] = None) -> bool:
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout=timeout)
+        return True
 
 
 def wait_all(pending: list[Pending]) -> None:

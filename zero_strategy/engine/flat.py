@@ -57,6 +57,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .collective_header import Header
 from .collectives import Collectives, Describe, Pending, after
 from .layout import GroupLayout, Piece, Segment, align_elements, plan_group
 from .offload import HOST, host_copy
@@ -290,8 +291,9 @@ class ShardedGroup(FlatGroup):
         return self.buffer
 
     def gather(self, comm: Collectives, what: Describe, quantize: Optional[QuantSpec] = None,
-               keep_secondary: Optional[Collectives] = None) -> list[Pending]:
-        """Start all-gathering the full buffer; parameters point at it (valid once waited).
+               keep_secondary: Optional[Collectives] = None, header: Optional[Header] = None) -> list[Pending]:
+        """Start all-gathering the full buffer; parameters point at it (valid once waited). ``header``
+        rides in each all-gather (see [Note: the collective header] in collective_header.py).
 
         ``quantize``: block-quantized (see [Note: quantized gathers]); ``keep_secondary``: also keep
         this rank's part over that group once gathered (see [Note: secondary partition]).
@@ -309,12 +311,12 @@ class ShardedGroup(FlatGroup):
         for si, seg in enumerate(self.segments):
             out, own = self.segment_of(buffer, seg), self.segment_shard(shard, seg)
             if quantize is None:
-                p = comm.all_gather(out, own, what)
+                p = comm.all_gather(out, own, what, header)
                 stored = out  # what the secondary part is cut from: the segment's elements
             else:
                 rows = torch.empty((n, packed_row_bytes(seg.shard_numel, quantize)), dtype=torch.uint8,
                                    device=self.device)
-                p = comm.all_gather(rows.view(-1), quantize_rows(own.view(1, -1), quantize).view(-1), what)
+                p = comm.all_gather(rows.view(-1), quantize_rows(own.view(1, -1), quantize).view(-1), what, header)
                 p = after(p, lambda out=out, rows=rows, seg=seg: dequantize_into(rows, seg.shard_numel, quantize,
                                                                                  out.view(n, -1)))
                 stored = rows  # its packed rows, so that backward rebuilds the forward's very weights
@@ -328,7 +330,7 @@ class ShardedGroup(FlatGroup):
         part = stored.shape[0] // group.world_size
         self.secondary[si] = stored[group.rank * part : (group.rank + 1) * part].clone()
 
-    def gather_secondary(self, comm: Collectives, what: Describe) -> list[Pending]:
+    def gather_secondary(self, comm: Collectives, what: Describe, header: Optional[Header] = None) -> list[Pending]:
         """Start all-gathering the full buffer from the secondary parts over ``comm``, the group they
         were kept over (see [Note: secondary partition])."""
         if self.buffer is not None:
@@ -342,10 +344,10 @@ class ShardedGroup(FlatGroup):
             part = self.secondary[si]
             out = self.segment_of(buffer, seg)
             if spec is None:
-                pending.append(comm.all_gather(out, part, what))
+                pending.append(comm.all_gather(out, part, what, header))
                 continue
             rows = torch.empty((n, part.shape[1]), dtype=torch.uint8, device=self.device)
-            p = comm.all_gather(rows.view(-1), part.view(-1), what)
+            p = comm.all_gather(rows.view(-1), part.view(-1), what, header)
             pending.append(after(p, lambda out=out, rows=rows, seg=seg:
                                  dequantize_into(rows, seg.shard_numel, spec, out.view(n, -1))))
         return pending

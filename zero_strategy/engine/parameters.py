@@ -156,7 +156,7 @@ class FlatParameters:
         self.unit_of = {p: u for u in self.all_units for g in u.groups for p in g.params}
         self.full_numel = {p: n for g in self.groups for p, n in zip(g.params, g.layout.numels)}
         guard_device = self._device or (self.groups[0].device if self.groups else torch.device("cpu"))
-        self.guard = OrderGuard(comm, [u.name for u in self.all_units], guard_device, config.check_unit_order_every)
+        self.guard = OrderGuard(comm, [u.name for u in self.all_units], guard_device, config.unit_order_wait)
         self.guard.enabled &= config.check_unit_order and config.stage == 3
         self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
         self._prev_of: dict[Unit, Unit] = {}
@@ -276,8 +276,8 @@ class FlatParameters:
     # ---- gather and release ----------------------------------------------------------------
 
     def gather(self, unit: Unit, phase: int = OUTSIDE, wait: bool = True, context: Optional[Unit] = None) -> None:
-        """Gather ``unit`` (after the order guard agreed on it: see [Note: order guard]); ``context``
-        is the unit whose hook asks, for the guard's message.
+        """Gather ``unit``, its all-gathers carrying the order guard's tag (see [Note: order guard]);
+        ``context`` is the unit whose hook asks, for the guard's message.
 
         [Note: which gather]
         Outside forward and backward (state dicts, gathered_parameters) a gather is exact, over all
@@ -288,17 +288,17 @@ class FlatParameters:
         forward gathers it (and without keeping anything).
         """
         if unit.needs_gather:
-            self.guard.check(unit.index, phase, context.index if context is not None else -1)
+            header = self.guard.header(unit.index, phase, context.index if context is not None else -1)
             backward = phase in (BACKWARD, PREFETCH_BACKWARD, RECOMPUTE)
             if backward and self.secondary is not None and unit.has_secondary:
                 unit.gather_secondary(self.secondary, lambda: f"all-gather of stage-3 unit {unit.name!r} from its "
-                                      f"secondary partition ({PHASES[phase]}, pass {self.guard.passes})")
+                                      f"secondary partition ({PHASES[phase]}, pass {self.guard.passes})", header)
             else:
                 keep = self.secondary if (phase in (FORWARD, PREFETCH_FORWARD) and unit is not self.root
                                           and torch.is_grad_enabled() and not unit.has_secondary) else None
                 unit.gather(self.comm, lambda: f"all-gather of stage-3 unit {unit.name!r} ({PHASES[phase]}, "
                                                f"pass {self.guard.passes})",
-                            None if phase == OUTSIDE else self.weight_quantization, keep)
+                            None if phase == OUTSIDE else self.weight_quantization, keep, header)
         if wait:
             unit.wait()
 

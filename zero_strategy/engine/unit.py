@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .collective_header import Header
 from .collectives import Collectives, Pending, wait_all
 from .flat import FlatGroup, ShardedGroup
 from .order_guard import BACKWARD, RECOMPUTE
@@ -176,23 +177,23 @@ class Unit:
         return self.state is UnitState.RELEASED or self.stale
 
     def gather(self, comm: Collectives, what: Callable[[], str], quantize: Optional[QuantSpec] = None,
-               keep_secondary: Optional[Collectives] = None) -> None:
+               keep_secondary: Optional[Collectives] = None, header: Optional[Header] = None) -> None:
         """Start the all-gathers of a released or stale unit (nothing otherwise); ``wait()`` before
         reading. ``quantize`` and ``keep_secondary``: see [Note: quantized gathers] and [Note:
-        secondary partition] in flat.py."""
+        secondary partition] in flat.py; ``header``: see [Note: the collective header]."""
         if not self.needs_gather:
             return
         wait_all(self._pending)  # a stale unit's earlier gather: it writes the buffer until it completes
         for g in self._sharded():
-            self._pending += g.gather(comm, what, quantize, keep_secondary)
+            self._pending += g.gather(comm, what, quantize, keep_secondary, header)
         self.state = UnitState.GATHERING
 
-    def gather_secondary(self, comm: Collectives, what: Callable[[], str]) -> None:
+    def gather_secondary(self, comm: Collectives, what: Callable[[], str], header: Optional[Header] = None) -> None:
         """Like ``gather``, from the secondary parts kept by the forward gather, over their group."""
         if self.state is not UnitState.RELEASED:
             return
         for g in self._sharded():
-            self._pending += g.gather_secondary(comm, what)
+            self._pending += g.gather_secondary(comm, what, header)
         self.state = UnitState.GATHERING
 
     @property

@@ -66,8 +66,11 @@ class Watchdog:
         self.rank = rank
         self.watched = limit_s is not None and backend == "gloo"
 
-    def wait(self, work: dist.Work, what: Callable[[], str]) -> None:
-        """Wait for ``work``; ``what()`` describes it if the wait fails or outlasts the limit."""
+    def wait(self, work: dist.Work, what: Callable[[], str],
+             waiting: Optional[Callable[[float], None]] = None) -> None:
+        """Wait for ``work``; ``what()`` describes it if the wait fails or outlasts the limit.
+        ``waiting(seconds waited)`` runs at each slice of a watched wait (it may raise: the order guard
+        compares on the store what the ranks gather, see [Note: order guard] in order_guard.py)."""
         if not self.watched:
             work.wait()
             return
@@ -82,6 +85,8 @@ class Watchdog:
                     if "operation timed out" not in str(err).lower():  # not our slice ending: a real failure
                         raise CollectiveError(self._failed(what, err, time.monotonic() - start)) from err
                 waited = time.monotonic() - start
+                if waiting is not None:
+                    waiting(waited)
                 if _deferred_signal:
                     self._end(what, waited, "received SIGTERM while waiting", SIGTERM_EXIT_CODE)
                 cause = rank_board.board().divergence(what(), waited)

@@ -1,0 +1,141 @@
+"""The order guard's header rides in every stage-3 all-gather (see [Note: the collective header]):
+a rank that runs other units, at any pass, stops every rank with UnitOrderError before a step uses
+mixed weights (2 gloo processes, engine only)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zero_strategy.config import ZeroConfig
+from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
+from zero_strategy.engine.collective_header import HEADER_BYTES, Header, decode, encode
+from zero_strategy.engine.order_guard import UnitOrderError
+
+from .distributed import run_distributed
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    """Two blocks of the same size, as units: a gather of one pairs with a gather of the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, diverge=None):
+        order = [0, 1]
+        if diverge == "skip":
+            order = [0]  # a data-dependent branch taken on one rank only
+        elif diverge == "other":
+            order = [1, 1]  # the other block of the same size in place of the first
+        elif diverge == "twice":
+            order = [0, 0, 1]  # one block called again
+        for i in order:
+            x = self.blocks[i](x)
+        return self.head(x)
+
+
+CASES = {
+    # name: (how rank 1 diverges, at which pass (1-based), config options, tags compared at the end
+    # of the pass as on CUDA)
+    "skip-pass-1": ("skip", 1, {}, False),
+    "skip-pass-15": ("skip", 15, {}, False),  # a pass the sampling guard did not check
+    "other-unit-pass-15": ("other", 15, {}, False),
+    "twice-pass-101": ("twice", 101, {}, False),
+    "skip-pass-15-quantized": ("skip", 15, {"quantized_weights": True}, False),
+    "other-unit-pass-15-secondary": ("other", 15, {"secondary_partition_size": 2}, False),
+    "other-unit-pass-15-deferred": ("other", 15, {}, True),
+}
+FOUR_RANKS = ("skip-pass-15", "other-unit-pass-15-secondary")
+
+
+def _diverging_runs(rank, world_size, cases):
+    """Each case on a process group of its own (a diverged group keeps unmatched collectives):
+    case -> (error message or None, seconds from the divergent pass to the error, whether this rank's
+    shards and optimizer state are those from before the divergent pass)."""
+    out = {}
+    for case in cases:
+        how, at_pass, options, deferred = CASES[case]
+        group = dist.new_group(list(range(world_size)))
+        comm = Collectives(group, collective_timeout=600.0, ranks_per_node=world_size)
+        config = ZeroConfig(stage=3, shard_modules=("Block",), param_persistence_threshold=0,
+                            unit_order_wait=1.0, **options)  # 5 s by default: shorter, for a fast test
+        torch.manual_seed(0)
+        model = Net()
+        sharder = shard_module(model, config, comm=comm)
+        sharder.guard.deferred = deferred
+        opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config, sharder=sharder)
+        error, elapsed, before = None, None, None
+        for step in range(at_pass):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(4, 16, generator=g), torch.randn(4, 1, generator=g)
+            diverging = rank == 1 and step == at_pass - 1
+            if step == at_pass - 1:
+                before = _state(sharder, opt)
+            start = time.monotonic()
+            try:
+                opt.zero_grad()
+                F.mse_loss(model(x, how if diverging else None), y).backward()
+                opt.step()
+            except UnitOrderError as err:
+                error, elapsed = str(err), time.monotonic() - start
+                break
+        unchanged = before is not None and all(torch.equal(a, b) for a, b in zip(before, _state(sharder, opt)))
+        out[case] = (error, elapsed, unchanged)
+    return out
+
+
+def _state(sharder, opt) -> list[torch.Tensor]:
+    tensors = [g.shard.clone() for g in sharder.groups]
+    for state in opt.optimizer.state.values() if hasattr(opt, "optimizer") else []:
+        tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def diverged():
+    # fresh processes: the diverged groups keep unmatched collectives, which stall a pool's closing
+    return {2: run_distributed(_diverging_runs, 2, list(CASES), fresh=True, timeout_s=100),
+            4: run_distributed(_diverging_runs, 4, FOUR_RANKS, fresh=True, timeout_s=100)}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("world", "case"), [(2, c) for c in CASES] + [(4, c) for c in FOUR_RANKS])
+def test_a_rank_running_other_units_at_any_pass_stops_every_rank_before_the_step(diverged, world, case):
+    how, at_pass, _, _ = CASES[case]
+    for rank, results in enumerate(diverged[world]):
+        error, elapsed, unchanged = results[case]
+        assert error is not None, f"rank {rank}: no UnitOrderError"
+        assert "the ranks gathered different units at the same point" in error, error
+        assert f"(pass {at_pass}, gather" in error, error
+        assert "rank 0:" in error and "rank 1:" in error, error
+        assert elapsed < 30, f"rank {rank} took {elapsed:.0f} s"
+        assert unchanged, f"rank {rank}: shards or optimizer state changed in the divergent pass"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8])
+def test_a_header_keeps_its_words_exactly_in_any_dtype(dtype):
+    words = encode(2**31 - 1, 70_000, 4_000, 5, -1)  # beyond what bf16 or fp16 hold as numbers
+    seen = []
+    header = Header(words, seen.append)
+    sent = header.send_as(dtype, torch.device("cpu"))
+    assert sent.numel() * sent.element_size() == HEADER_BYTES
+    received = Header.receive_buffer(2, dtype, torch.device("cpu"))
+    received[0], received[1] = sent, sent
+    header.received(received)
+    assert decode(seen[0]) == [(2**31 - 1, 70_000, 4_000, 5, -1)] * 2

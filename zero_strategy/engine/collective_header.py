@@ -1,0 +1,72 @@
+"""What a collective is for, carried inside the collective itself.
+
+[Note: the collective header]
+Two ranks' collectives pair in the order they are issued, whatever each was meant for: when one
+rank skips a stage-3 unit, its all-gather of the next unit meets the others' all-gather of the
+skipped one and, if the two have the same size (a transformer's blocks all have), completes with
+mixed data. So every stage-3 all-gather sends, after this rank's chunk, ``HEADER_BYTES`` more: four
+int32 words naming what this rank issued it for (pass, gather number in the pass, unit and phase,
+the unit it came from: see ``encode``). The words travel as raw bits, viewed as the buffer's own
+dtype (16 bytes are 8 bf16 elements, 4 fp32, 16 uint8 of a quantized row), so they are exact
+whatever that dtype (bf16 holds integers exactly only up to 256) and no quantization touches them:
+a quantized gather sends them beside its packed rows, unquantized. The chunk and the header go in
+one collective (gloo's coalesced all-gather, NCCL's coalesced group): no extra collective, so the
+check is on at every pass. Every rank receives every rank's header and compares them when the
+gather is waited for, before anything reads the gathered weights (see [Note: order guard] in
+order_guard.py). Cost: 16 bytes per rank in each all-gather's output, so 16 (n - 1) bytes more sent
+per rank per all-gather: 16,368 bytes at 1,024 ranks, counted by ``comm_stats()`` and predicted by
+the communication model (comm_model.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+WORDS = 4
+HEADER_BYTES = WORDS * 4
+"""Bytes each rank adds to an all-gather's output (a multiple of every element size up to 16)."""
+
+_PHASE_BITS = 4  # phases of order_guard.PHASES: fewer than 16
+
+
+def encode(passes: int, seq: int, unit: int, phase: int, context: int) -> torch.Tensor:
+    """The four int32 words of a gather's header."""
+    return torch.tensor([passes, seq, (unit << _PHASE_BITS) | phase, context], dtype=torch.int32)
+
+
+def decode(words: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
+    """(passes, seq, unit, phase, context) of each row of ``words`` (n, 4), by rank."""
+    out = []
+    for passes, seq, unit_phase, context in words.tolist():
+        out.append((passes, seq, unit_phase >> _PHASE_BITS, unit_phase & ((1 << _PHASE_BITS) - 1), context))
+    return out
+
+
+class Header:
+    """One all-gather's header: ``words`` to send, and ``check``, called with every rank's words
+    (an int32 tensor (n, 4), by rank) once the gather completed; ``waiting(seconds)``, called while
+    a wait for the gather lasts (see ``Watchdog.wait``)."""
+
+    __slots__ = ("words", "check", "waiting")
+
+    def __init__(self, words: torch.Tensor, check: Callable[[torch.Tensor], None],
+                 waiting: Optional[Callable[[float], None]] = None) -> None:
+        self.words = words
+        self.check = check
+        self.waiting = waiting
+
+    def send_as(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The words' raw bits as a 1-d tensor of ``dtype``."""
+        return self.words.to(device, non_blocking=True).view(torch.uint8).view(dtype)
+
+    @staticmethod
+    def receive_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Room for ``n`` ranks' headers in ``dtype``: shape (n, HEADER_BYTES / element size)."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return torch.empty((n, HEADER_BYTES // size), dtype=dtype, device=device)
+
+    def received(self, buffer: torch.Tensor) -> None:
+        """Check what arrived in a ``receive_buffer``."""
+        self.check(buffer.view(torch.uint8).view(torch.int32).view(-1, WORDS))
