@@ -190,8 +190,12 @@ class Int8State:
         from the 256 values of the map, one multiply by the scales."""
         n = hi - lo
         values = torch.empty(n, dtype=torch.float32, device=self.codes.device) if out is None else out.view(-1)
-        codes = self.codes[lo:hi].to(torch.int32)  # index_select's indices
-        torch.index_select(_device_map(self.signed, self.codes.device), 0, codes, out=values)
+        codes = self.codes[lo:hi]
+        if n % 2 == 0 and lo % 2 == 0 and values.data_ptr() % 8 == 0:  # two codes per gather
+            pairs = codes.view(torch.uint16).to(torch.int32)
+            torch.index_select(_pair_map(self.signed, codes.device), 0, pairs, out=values.view(torch.int64))
+        else:
+            torch.index_select(_device_map(self.signed, codes.device), 0, codes.to(torch.int32), out=values)
         scales = self.scales[lo // self.block: -(-hi // self.block)]
         full = n // self.block
         values[: full * self.block].view(full, self.block).mul_(scales[:full, None])
@@ -233,6 +237,16 @@ class Int8State:
 @functools.lru_cache(maxsize=None)
 def _device_map(signed: bool, device: torch.device) -> torch.Tensor:
     return code_map(signed).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_map(signed: bool, device: torch.device) -> torch.Tensor:
+    """The values of every pair of codes, as one int64 (2**16 entries, 512 KiB): two adjacent codes read
+    as one little-endian uint16 give both values in one gather, about twice as fast as one gather each."""
+    assert sys.byteorder == "little", "the pair table reads two codes as a little-endian uint16"
+    values = code_map(signed)
+    index = torch.arange(1 << 16)
+    return torch.stack([values[index & 0xFF], values[index >> 8]], dim=1).contiguous().view(torch.int64).reshape(-1).to(device)
 
 
 def _per_block(flat: torch.Tensor, block: int) -> torch.Tensor:
