@@ -9,7 +9,15 @@ fp32 copy of the tile's weights (or the fp32 master itself), and the result is s
 state encoded (lowp.py: ``Int8State``, ``Bf16State``), bf16 weights rounded stochastically (or to
 nearest). The inner optimizer's ``state`` keeps each piece's one-number state (the step count) and,
 for parameters under ``optimizer_state_min_numel`` elements, torch's own fp32 state; the encoded
-state lives here, one encoding per tile and state key.
+state lives here, one encoding per piece and state key, read and written a tile's range at a time.
+
+Speed: the scratch is the same memory at every tile (fp32 buffers of a tile, one per state key and
+for the bf16 weights, the gradient and the int8 normalisation, kept from step to step: a few MiB),
+and one scratch optimizer of the user's class steps every tile (its param group's settings and
+parameter set per tile). What remains above the fp32-state step is the encodings' own passes: an
+int8 decode is a gather per two codes and a multiply, an encode a block maximum, a divide, one
+gather and integer arithmetic (see [Note: the code table] in lowp.py); stochastic rounding hashes
+every element (int64 arithmetic). Figures: benchmarks/RESULTS.md, "Low-precision step time".
 
 Exactness across world sizes and stages: an int8 block holds parameter elements [i * block, (i + 1)
 * block), and the flat layout starts every parameter and ends every shard at a multiple of the
@@ -143,7 +151,7 @@ class LowPrecisionStep(StepBackend):
 
     def _buffer(self, name: str, numel: int, device: Any) -> torch.Tensor:
         """An fp32 scratch tensor of ``numel`` elements, the same memory at every tile (see [Note: the
-        low-precision step's scratch])."""
+        low-precision step])."""
         have = self._buffers.get((name, device))
         if have is None or have.numel() < numel:
             have = self._buffers[(name, device)] = torch.empty(max(numel, self.tile_numel), dtype=torch.float32,
