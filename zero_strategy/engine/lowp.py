@@ -120,7 +120,8 @@ def _code_table(signed: bool) -> torch.Tensor:
     return ((limit << 8) | base).to(torch.int32)
 
 
-def nearest_codes(normal: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def nearest_codes(normal: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
+                  checked_nonnegative: bool = False) -> torch.Tensor:
     """The code of each value of ``normal`` (fp32 in [-1, 1]): how many midpoints of the map lie
     strictly below it, as ``torch.bucketize(normal, midpoints)`` gives, found with a table (into
     ``out``, uint8, when given; else an int32 tensor).
@@ -133,13 +134,19 @@ def nearest_codes(normal: torch.Tensor, signed: bool, out: Optional[torch.Tensor
     and the low 14 key bits of the bin's midpoint (all ones where it has none): a value whose low key
     bits are above that takes one code more. Integer arithmetic only (a sign bit from a subtraction,
     no comparisons or ``where``: on CPU those are several times slower). ``tests/test_lowp_engine.py``
-    checks it against bucketize on every midpoint and its fp32 neighbours."""
+    checks it against bucketize on every midpoint and its fp32 neighbours.
+
+    ``checked_nonnegative``: the caller knows no value is below zero (-0.0 and NaN may be there): under
+    the unsigned map the plain bits then give the same codes (a non-negative value's key is its bits;
+    anything with the sign bit set lands in bins of negative keys, whose code is 0, zero's) and the key's
+    three passes are skipped."""
     table = _code_table(signed).to(normal.device)
-    key = _order_key(normal.contiguous().view(torch.int32))
+    bits = normal.contiguous().view(torch.int32)
+    key = bits if checked_nonnegative and not signed else _order_key(bits)
     index = key >> _TABLE_SHIFT
     index += _HALF
     packed = torch.index_select(table, 0, index.view(-1))
-    low = key.bitwise_and_(_LOW_BITS).view(-1)
+    low = (key & _LOW_BITS if key is bits else key.bitwise_and_(_LOW_BITS)).view(-1)  # ``normal`` kept
     limit = packed >> 8
     limit -= low
     limit >>= 31  # -1 where the value lies above the bin's midpoint
@@ -231,7 +238,7 @@ class Int8State:
         normal = (torch.empty(n + pad, dtype=torch.float32, device=x.device)
                   if scratch is None or scratch.numel() < n + pad else scratch.view(-1)[: n + pad])
         torch.div(blocks, safe[:, None], out=normal.view(-1, self.block))
-        nearest_codes(normal[:n], self.signed, out=self.codes[lo: lo + n])
+        nearest_codes(normal[:n], self.signed, out=self.codes[lo: lo + n], checked_nonnegative=not self.signed)
 
 
 @functools.lru_cache(maxsize=None)
