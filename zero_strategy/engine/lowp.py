@@ -198,7 +198,8 @@ class Int8State:
         n = hi - lo
         values = torch.empty(n, dtype=torch.float32, device=self.codes.device) if out is None else out.view(-1)
         codes = self.codes[lo:hi]
-        if n % 2 == 0 and lo % 2 == 0 and values.data_ptr() % 8 == 0:  # two codes per gather
+        pairs_fit = n % 2 == 0 and lo % 2 == 0 and values.data_ptr() % 8 == 0
+        if pairs_fit and codes.device.type == "cpu":  # two codes per gather (on CUDA a gather is not the cost)
             pairs = codes.view(torch.uint16).to(torch.int32)
             torch.index_select(_pair_map(self.signed, codes.device), 0, pairs, out=values.view(torch.int64))
         else:
