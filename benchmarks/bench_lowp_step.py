@@ -68,8 +68,8 @@ def main() -> None:
     print(f"{params:,} parameters, {args.rounds} rounds, {args.threads} thread(s)")
     for name, t in times.items():
         ratios = [v / b for v, b in zip(t, base)]  # paired: the same round, the load alike
-        print(f"  {name:26} {statistics.median(t) * 1e3:9.1f} ms   {statistics.median(ratios):5.2f}x the fp32-state step"
-              f"  (rounds: {min(ratios):.2f}-{max(ratios):.2f}x)")
+        print(f"  {name:26} {statistics.median(t) * 1e3:9.1f} ms   {statistics.median(ratios):5.2f}x the fp32-state "
+              f"step  (rounds: {min(ratios):.2f}-{max(ratios):.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": params, "seconds": times}, f, indent=1)

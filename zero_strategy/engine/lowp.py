@@ -254,7 +254,8 @@ def _pair_map(signed: bool, device: torch.device) -> torch.Tensor:
     assert sys.byteorder == "little", "the pair table reads two codes as a little-endian uint16"
     values = code_map(signed)
     index = torch.arange(1 << 16)
-    return torch.stack([values[index & 0xFF], values[index >> 8]], dim=1).contiguous().view(torch.int64).reshape(-1).to(device)
+    pairs = torch.stack([values[index & 0xFF], values[index >> 8]], dim=1).contiguous()  # (2**16, 2) fp32
+    return pairs.view(torch.int64).reshape(-1).to(device)
 
 
 def _per_block(flat: torch.Tensor, block: int) -> torch.Tensor:
