@@ -10,7 +10,7 @@ at most 1.3x the fp32-state step (paired ratios, median over rounds).
     python benchmarks/bench_lowp_step.py                              # 25M parameters, 7 rounds
     python benchmarks/bench_lowp_step.py --params-millions 1 --rounds 2   # a quick check that it runs
 
-Timing: run it on a quiet machine (not yet done: the machine this was written on is shared).
+Timing: run it on a quiet machine; figures in benchmarks/RESULTS.md ("Low-precision step time").
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ def main() -> None:
     params = layers * (args.width * args.width + args.width)
     print(f"{params:,} parameters, {args.rounds} rounds, {args.threads} thread(s)")
     for name, t in times.items():
-        ratio = statistics.median(v / b for v, b in zip(t, base))
-        print(f"  {name:26} {statistics.median(t) * 1e3:9.1f} ms   {ratio:5.2f}x the fp32-state step")
+        ratios = [v / b for v, b in zip(t, base)]  # paired: the same round, the load alike
+        print(f"  {name:26} {statistics.median(t) * 1e3:9.1f} ms   {statistics.median(ratios):5.2f}x the fp32-state "
+              f"step  (rounds: {min(ratios):.2f}-{max(ratios):.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": params, "seconds": times}, f, indent=1)

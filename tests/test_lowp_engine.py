@@ -331,3 +331,29 @@ def test_the_code_table_finds_what_bucketize_finds(signed):
     if signed:
         x = torch.cat([x, -x])
     assert torch.equal(nearest_codes(x, signed).long(), torch.bucketize(x, mids))
+
+
+def test_the_fast_random_bits_and_rounding_are_splitmix64_and_truncation_as_written_out():
+    """random_bits16 skips splitmix64's last step and rounding skips its ``where`` where no value can
+    overflow: both against the algorithm written here with Python integers (what cuda/adam_lowp.cu does)."""
+    from zero_strategy.engine.lowp import random_bits16, round_to_bf16, sr_base
+
+    mask = (1 << 64) - 1
+
+    def splitmix_bits(base: int, position: int) -> int:
+        z = (position * 0x9E3779B97F4A7C15 + base) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return ((z ^ (z >> 31)) >> 40) & 0xFFFF
+
+    for seed, step, key, slot, start in ((0, 0, 0, 0, 0), (7, 3, 1 << 20, 2, 12345), (1, 99, 5, 0, 1 << 40)):
+        got = random_bits16(seed, step, key, start, 300, slot=slot)
+        base = sr_base(seed, step, key, slot) & mask
+        assert got.tolist() == [splitmix_bits(base, start + i) for i in range(300)]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5000, generator=g) * 10.0 ** torch.randint(-30, 30, (5000,), generator=g).float()
+    bits = x.view(torch.int32).tolist()
+    noise = random_bits16(4, 5, 6, 70, 5000, slot=1).tolist()
+    want = torch.tensor([((b + r) >> 16) for b, r in zip(bits, noise)], dtype=torch.int32)  # truncated
+    got = round_to_bf16(x, True, 4, 5, 6, 70, 1).view(torch.int16).int()
+    assert torch.equal(got, torch.where(want >= 1 << 15, want - (1 << 16), want))

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -90,39 +91,69 @@ def _midpoints(signed: bool) -> torch.Tensor:
 
 
 _TABLE_SHIFT = 14
-"""The code table is indexed by an fp32's top 18 bits (sign, exponent, 9 mantissa bits)."""
+"""The code table is indexed by the top 18 bits of an fp32's order key (sign, exponent, 9 mantissa bits)."""
+_LOW_BITS = (1 << _TABLE_SHIFT) - 1
+_HALF = 1 << (31 - _TABLE_SHIFT)  # bins of negative keys come first in the table
+
+
+def _order_key(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 bits (int32) as an int32 that orders like the values: negative values' magnitude bits flipped."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @functools.lru_cache(maxsize=None)
-def _code_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table, bounds) of ``encode_``'s fast search (see [Note: the code table])."""
-    idx = torch.arange(1 << (32 - _TABLE_SHIFT), dtype=torch.int64) << _TABLE_SHIFT
-    edge = torch.where(idx >= 1 << 31, idx - (1 << 32), idx).to(torch.int32).view(torch.float32)
+def _code_table(signed: bool) -> torch.Tensor:
+    """``nearest_codes``'s table (see [Note: the code table]): per bin, ``limit << 8 | code``."""
+    keys = torch.arange(-(1 << 31), 1 << 31, 1 << _TABLE_SHIFT, dtype=torch.int64)  # each bin's lowest key
+    lowest = _order_key(keys.to(torch.int32)).view(torch.float32)  # the key function is its own inverse
     mids = _midpoints(signed)
-    table = torch.bucketize(torch.nan_to_num(edge, nan=0.0), mids, out_int32=True)
-    bounds = torch.cat([torch.tensor([-math.inf]), mids, torch.tensor([math.inf])])
-    return table, bounds
+    base = torch.bucketize(lowest, mids, out_int32=True)
+    highest = _order_key((keys + _LOW_BITS).to(torch.int32)).view(torch.float32)
+    above = torch.bucketize(highest, mids, out_int32=True)
+    finite = torch.isfinite(lowest) & torch.isfinite(highest)
+    assert bool((above[finite] - base[finite] <= 1).all()), "a bin holds at most one midpoint"
+    # the midpoint in a bin that has one: values up to it (keys up to its key) keep ``base``, the rest take one more
+    inside = finite & (above > base)
+    mid_key = _order_key(mids[base.clamp(max=mids.numel() - 1).long()].contiguous().view(torch.int32))
+    limit = torch.where(inside, mid_key & _LOW_BITS, torch.full_like(base, _LOW_BITS))
+    base = torch.where(finite, base, torch.bucketize(torch.zeros(1), mids, out_int32=True))  # NaN: zero's code
+    return ((limit << 8) | base).to(torch.int32)
 
 
-def nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
+def nearest_codes(normal: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
+                  checked_nonnegative: bool = False) -> torch.Tensor:
     """The code of each value of ``normal`` (fp32 in [-1, 1]): how many midpoints of the map lie
-    strictly below it, as ``torch.bucketize(normal, midpoints)`` gives, found with a table.
+    strictly below it, as ``torch.bucketize(normal, midpoints)`` gives, found with a table (into
+    ``out``, uint8, when given; else an int32 tensor).
 
     [Note: the code table]
-    Every fp32 with the same top 18 bits lies in one bin [edge, next edge) (magnitudes; the edge is
-    the value truncated toward zero), at most 2**-9 of its magnitude wide. The maps' neighbouring
-    codes are at least 0.7% of their magnitude apart, so a bin holds at most one midpoint: the code
-    is the edge's code (a table of 2**18 entries, made once by bucketize), plus one where a positive
-    value lies above the next midpoint, less one where a negative value lies at or below the
-    midpoint before. ``tests/test_lowp_engine.py`` checks it against bucketize on every midpoint
-    and its fp32 neighbours."""
-    table, bounds = _code_table(signed)
-    table, bounds = table.to(normal.device), bounds.to(normal.device)
+    The fp32 order key (the bits, with a negative value's magnitude bits flipped) orders like the
+    values. Every fp32 with the same top 18 key bits lies in one bin, at most 2**-9 of its magnitude
+    wide; the maps' neighbouring codes are at least 0.7% of their magnitude apart, so a bin holds at
+    most one midpoint. One gather from a table of 2**18 int32 gives the code of the bin's lowest value
+    and the low 14 key bits of the bin's midpoint (all ones where it has none): a value whose low key
+    bits are above that takes one code more. Integer arithmetic only (a sign bit from a subtraction,
+    no comparisons or ``where``: on CPU those are several times slower). ``tests/test_lowp_engine.py``
+    checks it against bucketize on every midpoint and its fp32 neighbours.
+
+    ``checked_nonnegative``: the caller knows no value is below zero (-0.0 and NaN may be there): under
+    the unsigned map the plain bits then give the same codes (a non-negative value's key is its bits;
+    anything with the sign bit set lands in bins of negative keys, whose code is 0, zero's) and the key's
+    three passes are skipped."""
+    table = _code_table(signed).to(normal.device)
     bits = normal.contiguous().view(torch.int32)
-    base = table[(bits >> _TABLE_SHIFT) & ((1 << (32 - _TABLE_SHIFT)) - 1)]  # int32 indices: no int64 copies
-    above = torch.where(bits >= 0, normal > bounds[base + 1], False)
-    below = torch.where(bits < 0, normal <= bounds[base], False)
-    return torch.where(above, base + 1, torch.where(below, base - 1, base))
+    key = bits if checked_nonnegative and not signed else _order_key(bits)
+    index = key >> _TABLE_SHIFT
+    index += _HALF
+    packed = torch.index_select(table, 0, index.view(-1))
+    low = (key & _LOW_BITS if key is bits else key.bitwise_and_(_LOW_BITS)).view(-1)  # ``normal`` kept
+    limit = packed >> 8
+    limit -= low
+    limit >>= 31  # -1 where the value lies above the bin's midpoint
+    packed &= 0xFF
+    if out is None:
+        return (packed - limit).view(normal.shape)
+    return torch.sub(packed, limit, out=out.view(-1))
 
 
 def max_code_gap(signed: bool) -> float:
@@ -159,25 +190,72 @@ class Int8State:
 
     def decode(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The values, fp32 (into ``out`` when given)."""
-        values = code_map(self.signed).to(self.codes.device)[self.codes.long()]
-        values = _per_block(values, self.block).mul_(self.scales[:, None]).reshape(-1)[: self.numel]
-        if out is None:
-            return values
-        return out.copy_(values)
+        return self.decode_range(0, self.numel, out)
+
+    def decode_range(self, lo: int, hi: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Values ``[lo, hi)`` (``lo`` a multiple of the block), fp32, into ``out`` when given: one gather
+        from the 256 values of the map, one multiply by the scales."""
+        n = hi - lo
+        values = torch.empty(n, dtype=torch.float32, device=self.codes.device) if out is None else out.view(-1)
+        codes = self.codes[lo:hi]
+        pairs_fit = n % 2 == 0 and lo % 2 == 0 and values.data_ptr() % 8 == 0
+        if pairs_fit and codes.device.type == "cpu":  # two codes per gather (on CUDA a gather is not the cost)
+            pairs = codes.view(torch.uint16).to(torch.int32)
+            torch.index_select(_pair_map(self.signed, codes.device), 0, pairs, out=values.view(torch.int64))
+        else:
+            torch.index_select(_device_map(self.signed, codes.device), 0, codes.to(torch.int32), out=values)
+        scales = self.scales[lo // self.block: -(-hi // self.block)]
+        full = n // self.block
+        values[: full * self.block].view(full, self.block).mul_(scales[:full, None])
+        if full * self.block < n:
+            values[full * self.block:].mul_(scales[full])
+        return values if out is None else out
 
     def encode_(self, x: torch.Tensor) -> None:
         """Store ``x`` (fp32, ``numel`` elements) in place of the current values."""
         if x.numel() != self.numel:
             raise ValueError(f"encode_: {x.numel()} values for a state of {self.numel} elements")
-        if not self.signed and bool((x < 0).any()):
-            raise ValueError("the unsigned int8 map stores non-negative state (a second moment); a negative value "
-                             "needs the signed map")
-        blocks = _per_block(x.detach().float().reshape(-1), self.block)
-        scales = blocks.abs().amax(dim=1)
-        self.scales.copy_(scales)
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        normal = (blocks / safe[:, None]).reshape(-1)[: self.numel]
-        self.codes.copy_(nearest_codes(normal, self.signed).to(torch.uint8))  # torch.bucketize's, faster
+        self.encode_range_(0, x)
+
+    def encode_range_(self, lo: int, x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> None:
+        """Store ``x`` (fp32) as elements ``[lo, lo + x.numel())`` (``lo`` a multiple of the block);
+        ``scratch``: an fp32 buffer for the normalised values (used when it holds the range rounded up to
+        whole blocks; else one is made). Raises for a negative value under the unsigned map."""
+        x = x.detach().reshape(-1)
+        if x.dtype != torch.float32:
+            x = x.float()
+        n = x.numel()
+        pad = -n % self.block
+        blocks = (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(-1, self.block)
+        scales = self.scales[lo // self.block: lo // self.block + blocks.shape[0]]
+        if self.signed:
+            torch.amax(blocks.abs(), dim=1, out=scales)
+        else:
+            torch.amax(blocks, dim=1, out=scales)
+            if bool((torch.amin(blocks, dim=1) < 0).any()):  # one sync per range: the map has no negative codes
+                raise ValueError("the unsigned int8 map stores non-negative state (a second moment); a negative "
+                                 "value needs the signed map")
+        safe = torch.where(scales > 0, scales, 1.0)  # a block of zeros: its codes are zero's
+        normal = (torch.empty(n + pad, dtype=torch.float32, device=x.device)
+                  if scratch is None or scratch.numel() < n + pad else scratch.view(-1)[: n + pad])
+        torch.div(blocks, safe[:, None], out=normal.view(-1, self.block))
+        nearest_codes(normal[:n], self.signed, out=self.codes[lo: lo + n], checked_nonnegative=not self.signed)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_map(signed: bool, device: torch.device) -> torch.Tensor:
+    return code_map(signed).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_map(signed: bool, device: torch.device) -> torch.Tensor:
+    """The values of every pair of codes, as one int64 (2**16 entries, 512 KiB): two adjacent codes read
+    as one little-endian uint16 give both values in one gather, about twice as fast as one gather each."""
+    assert sys.byteorder == "little", "the pair table reads two codes as a little-endian uint16"
+    values = code_map(signed)
+    index = torch.arange(1 << 16)
+    pairs = torch.stack([values[index & 0xFF], values[index >> 8]], dim=1).contiguous()  # (2**16, 2) fp32
+    return pairs.view(torch.int64).reshape(-1).to(device)
 
 
 def _per_block(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -199,43 +277,81 @@ def _signed64(value: int) -> int:
 _GOLDEN, _MIX1, _MIX2 = (_signed64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """A logical right shift of int64 (torch's ``>>`` keeps the sign)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
 def sr_base(seed: int, step: int, key: int, slot: int = 0) -> int:
     """What the random bits of one state tensor at one step start from (cuda/adam_lowp.cu mixes it the
     same way): ``slot`` tells a parameter's state tensors apart (0: the master, 1 and 2: Adam's moments)."""
     return _signed64((seed * 0x100000001B3 ^ step * 0x9E3779B1 ^ key * 0x85EBCA77) ^ slot)
 
 
+_POSITIONS: dict[torch.device, torch.Tensor] = {}
+
+
+def _golden_positions(numel: int, device: Any) -> torch.Tensor:
+    """``arange(numel) * golden`` (int64, wrapping), kept per device and grown as needed: the position's
+    share of splitmix64's first step, the same at every step."""
+    device = torch.device(device)
+    have = _POSITIONS.get(device)
+    if have is None or have.numel() < numel:
+        have = _POSITIONS[device] = torch.arange(max(numel, 1 << 17), dtype=torch.int64, device=device) * _GOLDEN
+    return have[:numel]
+
+
 def random_bits16(seed: int, step: int, key: int, start: int, numel: int, device: Any = "cpu",
                   slot: int = 0) -> torch.Tensor:
     """16 random bits (int32 in [0, 65536)) per position ``start...start+numel-1``: a splitmix64 hash of
-    (seed, step, key, slot, position), the same for a position whatever tensor it is computed in."""
-    base = sr_base(seed, step, key, slot)
-    z = torch.arange(start, start + numel, dtype=torch.int64, device=device)
-    z = z * _GOLDEN + base  # wraps modulo 2**64, as splitmix64 means it to
-    z = (z ^ _shift_right(z, 30)) * _MIX1
-    z = (z ^ _shift_right(z, 27)) * _MIX2
-    z = z ^ _shift_right(z, 31)
-    return (_shift_right(z, 40) & 0xFFFF).to(torch.int32)
+    (seed, step, key, slot, position), the same for a position whatever tensor it is computed in.
+
+    Bits 40...55 of splitmix64's output. Its last step, ``z ^ (z >> 31)``, changes bits 0...32 only,
+    so those bits are bits 40...55 of the value before it: the torch code skips that step (and its
+    int64 pass), giving cuda/adam_lowp.cu's bits."""
+    z = _golden_positions(numel, device) + _signed64(start * 0x9E3779B97F4A7C15 + sr_base(seed, step, key, slot))
+    shifted = z >> 30
+    shifted &= (1 << 34) - 1  # a logical shift (torch's >> keeps the sign)
+    z ^= shifted
+    z *= _MIX1  # wraps modulo 2**64, as splitmix64 means it to
+    torch.bitwise_right_shift(z, 27, out=shifted)
+    shifted &= (1 << 37) - 1
+    z ^= shifted
+    z *= _MIX2
+    if sys.byteorder == "little":  # bits 40...55 are bits 8...23 of the high int32 word
+        bits = z.view(torch.int32)[1::2] >> 8
+    else:
+        bits = (z >> 40).to(torch.int32)
+    return bits.bitwise_and_(0xFFFF)
+
+
+_SAFE_FOR_RANDOM_BITS = float(torch.tensor(0x7F7F0000, dtype=torch.int32).view(torch.float32))
+"""The largest bf16: adding 16 bits below it to a smaller magnitude's fp32 bits stays finite."""
 
 
 def round_to_bf16(x: torch.Tensor, stochastic: bool, seed: int = 0, step: int = 0, key: int = 0,
-                  start: int = 0, slot: int = 0) -> torch.Tensor:
-    """``x`` (fp32) as bf16: stochastically rounded when ``stochastic``, else to nearest. Infinities and
-    NaNs round to nearest (adding bits could turn the largest finite value into infinity: it stays)."""
+                  start: int = 0, slot: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` (fp32) as bf16 (into ``out``, bf16, when given): stochastically rounded when ``stochastic``,
+    else to nearest. Infinities and NaNs round to nearest (adding bits could turn the largest finite value
+    into infinity: it stays)."""
     if not stochastic:
-        return x.to(torch.bfloat16)
-    flat = x.detach().float().reshape(-1).contiguous()
+        return x.to(torch.bfloat16) if out is None else out.copy_(x)
+    flat = x.detach().reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    flat = flat.contiguous()
     bits = flat.view(torch.int32)
-    noisy = (bits + random_bits16(seed, step, key, start, flat.numel(), flat.device, slot)) & ~0xFFFF
+    noisy = random_bits16(seed, step, key, start, flat.numel(), flat.device, slot)
+    noisy += bits
+    plain = flat.device.type == "cpu" and sys.byteorder == "little" and flat.numel() > 0
+    if plain:  # one sync on CPU (free there) saves the where of the general case
+        plain = max(float(flat.amax()), -float(flat.amin())) < _SAFE_FOR_RANDOM_BITS
+    if plain:  # every value finite and far from overflow: bf16 is the high half of the noisy bits
+        target = torch.empty(flat.shape, dtype=torch.bfloat16, device=flat.device) if out is None else out
+        target.view(-1).view(torch.int16).copy_(noisy.view(torch.int16)[1::2])
+        return target.view_as(x) if out is None else out
+    noisy &= ~0xFFFF
     rounded = noisy.view(torch.float32)
     keep = torch.isfinite(rounded) & torch.isfinite(flat)
-    out = torch.where(keep, rounded, flat).to(torch.bfloat16)  # exact: the low 16 bits are zero
-    return out.view_as(x)
+    result = torch.where(keep, rounded, flat).to(torch.bfloat16)  # exact: the low 16 bits are zero
+    if out is None:
+        return result.view_as(x)
+    return out.copy_(result.view_as(out))
 
 
 @dataclass
@@ -256,7 +372,15 @@ class Bf16State:
         return self.values.float() if out is None else out.copy_(self.values)
 
     def encode_(self, x: torch.Tensor, seed: int = 0, step: int = 0) -> None:
-        self.values.copy_(round_to_bf16(x, self.stochastic, seed, step, self.key, self.start, self.slot))
+        self.encode_range_(0, x, seed, step)
+
+    def decode_range(self, lo: int, hi: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.values[lo:hi].float() if out is None else out.copy_(self.values[lo:hi])
+
+    def encode_range_(self, lo: int, x: torch.Tensor, seed: int = 0, step: int = 0) -> None:
+        """Store ``x`` as elements ``[lo, lo + x.numel())`` (their random bits are those of their positions)."""
+        target = self.values[lo: lo + x.numel()]
+        round_to_bf16(x, self.stochastic, seed, step, self.key, self.start + lo, self.slot, out=target)
 
 
 # ---- a tile's step over stored state -----------------------------------------------------------

@@ -9,7 +9,15 @@ fp32 copy of the tile's weights (or the fp32 master itself), and the result is s
 state encoded (lowp.py: ``Int8State``, ``Bf16State``), bf16 weights rounded stochastically (or to
 nearest). The inner optimizer's ``state`` keeps each piece's one-number state (the step count) and,
 for parameters under ``optimizer_state_min_numel`` elements, torch's own fp32 state; the encoded
-state lives here, one encoding per tile and state key.
+state lives here, one encoding per piece and state key, read and written a tile's range at a time.
+
+Speed: the scratch is the same memory at every tile (fp32 buffers of a tile, one per state key and
+for the bf16 weights, the gradient and the int8 normalisation, kept from step to step: a few MiB),
+and one scratch optimizer of the user's class steps every tile (its param group's settings and
+parameter set per tile). What remains above the fp32-state step is the encodings' own passes: an
+int8 decode is a gather per two codes and a multiply, an encode a block maximum, a divide, one
+gather and integer arithmetic (see [Note: the code table] in lowp.py); stochastic rounding hashes
+every element (int64 arithmetic). Figures: benchmarks/RESULTS.md, "Low-precision step time".
 
 Exactness across world sizes and stages: an int8 block holds parameter elements [i * block, (i + 1)
 * block), and the flat layout starts every parameter and ends every shard at a multiple of the
@@ -111,7 +119,9 @@ class LowPrecisionStep(StepBackend):
                 full = g.layout.numels[piece.param]
                 self.quantized[(gi, pi)] = (config.optimizer_state_dtype != "fp32"
                                             and full >= config.optimizer_state_min_numel)
-        self.encoded: dict[PieceKey, dict[str, list[Encoded]]] = {}  # per piece, per key, one per tile
+        self.encoded: dict[PieceKey, dict[str, Encoded]] = {}  # per piece, per state key
+        self._buffers: dict[tuple[str, Any], torch.Tensor] = {}  # fp32 scratch, reused at every tile
+        self._scratch: Optional[torch.optim.Optimizer] = None
         self._loaded: dict[int, dict[str, torch.Tensor]] = {}  # fp32 state taken from a load, by inner index
         stepped.inner.register_load_state_dict_pre_hook(self._take_loaded_state)
 
@@ -120,7 +130,7 @@ class LowPrecisionStep(StepBackend):
     def _piece(self, key: PieceKey) -> Any:
         return self.stepped.groups[key[0]].pieces[key[1]]
 
-    def _new_encoding(self, key: PieceKey, name: str, start: int, numel: int, device: Any) -> Encoded:
+    def _new_encoding(self, key: PieceKey, name: str, numel: int, device: Any) -> Encoded:
         if self.config.optimizer_state_dtype == "int8":
             signed = INT8_STATE[self.stepped.cls].get(name)
             if signed is None:
@@ -128,7 +138,7 @@ class LowPrecisionStep(StepBackend):
                                  f"(known: {sorted(INT8_STATE[self.stepped.cls])}); use optimizer_state_dtype='bf16'.")
             return Int8State.empty(numel, signed, self.config.optimizer_state_block_size, device)
         return Bf16State(torch.zeros(numel, dtype=torch.bfloat16, device=device), self.config.stochastic_rounding,
-                         key=self.param_key[key], start=self._piece(key).param_start + start, slot=_slot(name))
+                         key=self.param_key[key], start=self._piece(key).param_start, slot=_slot(name))
 
     tile_numel = TILE_NUMEL
     """Elements per tile (a multiple of the int8 block; tests set smaller ones on an instance before
@@ -139,26 +149,36 @@ class LowPrecisionStep(StepBackend):
         assert n % self.config.optimizer_state_block_size == 0, "a tile holds whole int8 blocks"
         return [(lo, min(numel, lo + n)) for lo in range(0, numel, n)] or [(0, 0)]
 
-    def _store(self, key: PieceKey, name: str, tile: int, value: torch.Tensor, seed: int, step: int) -> None:
+    def _buffer(self, name: str, numel: int, device: Any) -> torch.Tensor:
+        """An fp32 scratch tensor of ``numel`` elements, the same memory at every tile (see [Note: the
+        low-precision step])."""
+        have = self._buffers.get((name, device))
+        if have is None or have.numel() < numel:
+            have = self._buffers[(name, device)] = torch.empty(max(numel, self.tile_numel), dtype=torch.float32,
+                                                               device=device)
+        return have[:numel]
+
+    def _store(self, key: PieceKey, name: str, lo: int, value: torch.Tensor, seed: int, step: int) -> None:
+        """Encode ``value`` (fp32) as elements ``[lo, lo + value.numel())`` of the piece's state ``name``."""
         tensor = self.stepped.tensors[key[0]][key[1]]
-        tiles = self._tiles(tensor.numel())
         codes = self.encoded.setdefault(key, {})
         if name not in codes:
-            codes[name] = [self._new_encoding(key, name, lo, hi - lo, tensor.device) for lo, hi in tiles]
-        target = codes[name][tile]
+            codes[name] = self._new_encoding(key, name, tensor.numel(), tensor.device)
+        target = codes[name]
         if isinstance(target, Bf16State):
-            target.encode_(value.reshape(-1), seed, step)
+            target.encode_range_(lo, value, seed, step)
         else:
-            target.encode_(value.reshape(-1))
+            whole_blocks = -(-value.numel() // target.block) * target.block
+            target.encode_range_(lo, value, scratch=self._buffer("#normal", whole_blocks, value.device))
 
     def _store_whole(self, key: PieceKey, name: str, value: torch.Tensor) -> None:
         """Encode a whole piece's fp32 state (a load, the end of ``state_in_memory``)."""
         flat = value.detach().reshape(-1).float()
-        for t, (lo, hi) in enumerate(self._tiles(flat.numel())):
-            self._store(key, name, t, flat[lo:hi], self.config.stochastic_rounding_seed, 0)
+        for lo, hi in self._tiles(flat.numel()):
+            self._store(key, name, lo, flat[lo:hi], self.config.stochastic_rounding_seed, 0)
 
     def _decode_whole(self, key: PieceKey) -> dict[str, torch.Tensor]:
-        return {name: torch.cat([e.decode() for e in tiles]) for name, tiles in self.encoded.get(key, {}).items()}
+        return {name: e.decode() for name, e in self.encoded.get(key, {}).items()}
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -172,8 +192,18 @@ class LowPrecisionStep(StepBackend):
         hooked_step(inner, lambda: self._step_pieces(by_piece, settings))
         self.stepped.write_back()  # an fp32 master's rounding into bf16/fp16 working weights
 
+    def _scratch_optimizer(self, weights: torch.Tensor, hyper: dict[str, Any]) -> torch.optim.Optimizer:
+        """The one scratch optimizer of the user's class, over ``weights`` with ``hyper`` now."""
+        if self._scratch is None:
+            self._scratch = self.stepped.cls([{**hyper, "params": [weights]}], **self.stepped.kwargs)
+        opt = self._scratch
+        opt.param_groups[0].update(hyper)
+        opt.param_groups[0]["params"] = [weights]
+        opt.state.clear()  # Adagrad's constructor makes state: the pieces have theirs
+        return opt
+
     def _step_pieces(self, by_piece: dict[PieceKey, torch.Tensor], settings: Any) -> None:
-        cls, kwargs, state = self.stepped.cls, self.stepped.kwargs, self.stepped.inner.state
+        state = self.stepped.inner.state
         seed = self.config.stochastic_rounding_seed
         round_weights = self.config.master_weights_dtype == "bf16" and self.config.stochastic_rounding
         for key, grad in by_piece.items():
@@ -188,40 +218,43 @@ class LowPrecisionStep(StepBackend):
             scalars_after: dict[str, Any] = {}
             fp32_state: dict[str, torch.Tensor] = {}
             start = self._piece(key).param_start
-            had = list(self.encoded.get(key, {}))  # the state before this step (its first tile may add some)
-            for t, (lo, hi) in enumerate(self._tiles(tensor.numel())):
-                part = tensor[lo:hi]
-                weights = part if part.dtype == torch.float32 else part.float()
+            had = dict(self.encoded.get(key, {}))  # the state before this step (its first tile may add some)
+            for lo, hi in self._tiles(tensor.numel()):
+                n, part = hi - lo, tensor[lo:hi]
+                weights = part if part.dtype == torch.float32 else self._buffer("#weights", n, part.device).copy_(part)
                 scratch_state: dict[str, Any] = {k: copy_scalar(v) for k, v in entry.items() if not is_elementwise(v)}
                 if quantized:
-                    for name in had:
-                        scratch_state[name] = self.encoded[key][name][t].decode()
+                    for name, stored in had.items():
+                        scratch_state[name] = stored.decode_range(lo, hi, out=self._buffer(name, n, part.device))
                 else:
                     for name, v in entry.items():
                         if is_elementwise(v):
                             scratch_state[name] = v[lo:hi]  # torch's fp32 state, stepped in place
-                weights.grad = grad[lo:hi].float()
-                opt = cls([{**hyper, "params": [weights]}], **kwargs)
-                opt.state.clear()
+                g = grad[lo:hi]
+                weights.grad = g if g.dtype == torch.float32 else self._buffer("#grad", n, g.device).copy_(g)
+                opt = self._scratch_optimizer(weights, hyper)
                 if scratch_state:
                     opt.state[weights] = scratch_state
                 try:
                     unhooked_step(opt)
                 finally:
                     weights.grad = None
-                new = opt.state.get(weights, {})
+                new = opt.state.pop(weights, {})
+                opt.param_groups[0]["params"] = []
                 for name, value in new.items():
                     if not is_elementwise(value):
                         scalars_after[name] = value
                     elif quantized:
-                        self._store(key, name, t, value, seed, step)
+                        self._store(key, name, lo, value, seed, step)
                     elif not is_elementwise(entry.get(name)):  # state the piece gets at this step
                         whole = fp32_state.setdefault(name, torch.empty(tensor.numel(), dtype=value.dtype,
                                                                         device=value.device))
                         whole[lo:hi].copy_(value.reshape(-1))
                 if weights is not part:
-                    part.copy_(round_to_bf16(weights, round_weights, seed, step, self.param_key[key], start + lo, 0)
-                               if part.dtype == torch.bfloat16 else weights)
+                    if part.dtype == torch.bfloat16:
+                        round_to_bf16(weights, round_weights, seed, step, self.param_key[key], start + lo, 0, out=part)
+                    else:
+                        part.copy_(weights)
             merged = {k: v for k, v in entry.items() if is_elementwise(v)}
             state[tensor] = {**merged, **fp32_state, **scalars_after}
 
@@ -287,9 +320,8 @@ class LowPrecisionStep(StepBackend):
         """The encoded state: int8 codes and their scales, or bf16 values."""
         out: list[torch.Tensor] = []
         for per_key in self.encoded.values():
-            for tiles in per_key.values():
-                for e in tiles:
-                    out += [e.codes, e.scales] if isinstance(e, Int8State) else [e.values]
+            for e in per_key.values():
+                out += [e.codes, e.scales] if isinstance(e, Int8State) else [e.values]
         return out
 
     def stored_bytes(self) -> int:
