@@ -173,7 +173,7 @@ class LowPrecisionStep(StepBackend):
         self.stepped.write_back()  # an fp32 master's rounding into bf16/fp16 working weights
 
     def _step_pieces(self, by_piece: dict[PieceKey, torch.Tensor], settings: Any) -> None:
-        cls, kwargs, state = self.stepped.cls, self.stepped.kwargs, self.stepped.inner.state
+        cls, kwargs, state = self.stepped.cls, self.stepped.kwargs, self.stepped.state
         seed = self.config.stochastic_rounding_seed
         round_weights = self.config.master_weights_dtype == "bf16" and self.config.stochastic_rounding
         for key, grad in by_piece.items():
@@ -229,7 +229,7 @@ class LowPrecisionStep(StepBackend):
 
     @contextlib.contextmanager
     def state_in_memory(self) -> Iterator[None]:
-        state = self.stepped.inner.state
+        state = self.stepped.state
         decoded = []
         for key in list(self.encoded):
             tensor = self.stepped.tensors[key[0]][key[1]]
@@ -239,7 +239,7 @@ class LowPrecisionStep(StepBackend):
             yield
         finally:
             for key, tensor in decoded:
-                entry = self.stepped.inner.state.get(tensor, {})
+                entry = self.stepped.state_of(tensor)
                 for name in list(entry):
                     if is_elementwise(entry[name]):
                         self._store_whole(key, name, entry.pop(name))
@@ -262,7 +262,7 @@ class LowPrecisionStep(StepBackend):
     def state_loaded(self) -> None:
         self.encoded = {}
         order = self._inner_order()
-        state = self.stepped.inner.state
+        state = self.stepped.state
         encoded = 0
         for j, values in self._loaded.items():
             key = order[j]
