@@ -222,7 +222,7 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
     stats["master_params"] = count(t for o in zero for t in o.memory_tensors()["master_params"])
     disk = sum(o.disk_bytes() for o in zero)
     stats["optimizer_states"] = disk + count(
-        [*(v for o in optimizers for s in (o.inner.state if isinstance(o, ZeroOptimizer) else o.state).values()
+        [*(v for o in optimizers for s in o.state.values()  # a ZeroOptimizer's: its inner optimizer's
            for v in s.values()), *(t for o in zero for t in o.memory_tensors()["pending_states"]),
          *(t for o in zero for t in o.memory_tensors()["stored_states"])]  # int8/bf16 state (step_lowp.py)
     )

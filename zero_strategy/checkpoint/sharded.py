@@ -103,7 +103,7 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
         with zopt.materialized_state():  # optimizer state offloaded to disk is read back for this
             for ref in zopt.pieces():
                 name = names[ref.param]
-                for key, value in zopt.inner.state.get(ref.tensor, {}).items():
+                for key, value in zopt.piece_state(ref).items():
                     if is_elementwise(value):
                         add(optim_name(i, key, name), value, ref.piece.param_start, ref.group.shapes[ref.piece.param])
                         tensors.setdefault(name, [])

@@ -128,7 +128,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner = cls(inner_groups, **kwargs)
         super().__init__([{"params": g["params"]} for g in optimizer.param_groups], optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
-        self.state = self.inner.state  # type: ignore[assignment]
         self.scaler = scaler
         self._step = StepGradients()  # see [Note: state behind LightningOptimizer] in step_grads.py
         self._stepped = Stepped(self.groups, tensors, user_groups, self.inner, kwargs, self._device, self.comm.rank)
@@ -148,6 +147,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if type(self) is ZeroOptimizer:
             self.__class__ = _named_like(cls)
 
+    @property  # type: ignore[override]
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """The inner optimizer's state, keyed by the stepped tensors (``pieces()``), always its current
+        dict (torch's load replaces it). See ``piece_state`` for one piece's."""
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: dict[torch.Tensor, dict[str, Any]]) -> None:  # torch's __init__ sets an empty one
+        self.inner.state = value
+
+    def piece_state(self, ref: PieceRef) -> dict[str, Any]:
+        """One piece's optimizer state as the inner optimizer keeps it ({} before its first step). With
+        disk offload or encoded low-precision state, whole only inside ``materialized_state``."""
+        return self._stepped.state_of(ref.tensor)
+
     def _coming_settings(self) -> list[dict[str, Any]]:
         """Each param group's hyperparameters as the next step sets them in the inner optimizer: the
         user's (an LR scheduler's changes), except those the step backend sets (the host kernel choice)."""
@@ -161,8 +175,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
     def pieces(self) -> Iterator[PieceRef]:
-        """Every piece this rank steps, with the tensor the inner optimizer updates for it (its state
-        is ``self.inner.state.get(ref.tensor, {})``; see ``materialized_state`` with disk offload)."""
+        """Every piece this rank steps, with the tensor the inner optimizer updates for it (its state:
+        ``piece_state(ref)``)."""
         for gi, (g, tensors, user_groups) in enumerate(zip(self.groups, self._stepped.tensors,
                                                            self._stepped.user_group)):
             for pi, (piece, tensor, user_group) in enumerate(zip(g.pieces, tensors, user_groups)):
@@ -291,10 +305,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def materialized_state(self) -> Iterator[None]:
-        """Inside the block ``inner.state[piece]`` holds every piece's whole state, as without disk
+        """Inside the block ``state[piece]`` holds every piece's whole state, as without disk
         offload (read from the files into host memory: this rank's whole shard of it); after it, the
         state goes back to the files, with any change made inside. Without disk offload: nothing to do.
-        For code that reads ``inner.state`` directly (checkpoints): see [Note: offloaded step] in step_host.py."""
+        For code that reads ``state`` directly (checkpoints): see [Note: offloaded step] in step_host.py."""
         with self.step_backend.state_in_memory():
             yield
 
@@ -305,7 +319,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step_backend.discard()
         shard_state(self, state_dict)
-        self.state = self.inner.state  # type: ignore[assignment]  # torch's load gives the inner a new dict
         self.step_backend.state_loaded()
 
     def comm_stats(self) -> dict[str, int]:
@@ -325,7 +338,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         pending = held["pending_states"]  # optimizer state of the overlapped step, not yet committed
         host: list[torch.Tensor] = []
         if self.step_backend.on_host:
-            state = [v for entry in self.inner.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+            state = [v for entry in self.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
             host = [*self.reducer.host_tensors(), *(m for m in masters if m.device == HOST), *state, *pending]
         return {"grads": self.reducer.held_tensors(),  # fp32 weights are their own master: no copy
                 "master_params": masters, "pending_states": pending, "host": host,

@@ -22,7 +22,7 @@ and committed only where it is the update the step would have made.
   as tensors of their own, not views (``set_`` moves them; a view's ``_base`` would still name the
   old buffer). Elsewhere (the parameter shard itself at stage 3 with ``offload_params``, or a group
   mostly not taken) it is a copy of the shadow into the master. The new state takes the place of
-  the old, so ``inner.state[piece]`` holds other tensors after each step (a state dict kept from
+  the old, so the piece's optimizer state holds other tensors after each step (a state dict kept from
   an earlier step sees them overwritten, as torch's in-place update would). Every other piece
   steps at ``step()`` as without the overlap. Either way the values are those of the
   non-overlapped step, bit for bit (``tests/test_offload_overlap.py``).

@@ -59,16 +59,15 @@ def consolidate_state(zopt) -> dict[str, Any]:
     """Full optimizer state (CPU tensors) keyed by parameter index, on every rank."""
     index = _param_index(zopt)
     state: dict[int, dict[str, Any]] = {}
-    inner_state = zopt.inner.state
     for g, refs in by_group(zopt):
-        kinds = {k: _kind(v) for ref in refs for k, v in inner_state.get(ref.tensor, {}).items()}
+        kinds = {k: _kind(v) for ref in refs for k, v in zopt.piece_state(ref).items()}
         kinds = _agree_on_kinds(zopt, kinds)
         if not kinds:
             continue
         device = g.device
         has_state = torch.zeros(len(g.params), dtype=torch.uint8, device=device)
         for ref in refs:
-            if ref.tensor in inner_state:
+            if ref.tensor in zopt.state:  # an entry, even an empty one (torch's defaultdict makes those)
                 has_state[ref.piece.param] = 1
         zopt.comm.all_reduce(has_state, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters have state")
         with_state = [i for i, flag in enumerate(has_state.tolist()) if flag]
@@ -78,16 +77,16 @@ def consolidate_state(zopt) -> dict[str, Any]:
             if kind == _ELEMENTWISE:
                 shard = torch.zeros(g.layout.shard_numel, dtype=getattr(torch, dtype), device=device)
                 for ref in refs:
-                    if key in inner_state.get(ref.tensor, {}):
-                        g.shard_slice(shard, ref.piece).copy_(inner_state[ref.tensor][key])
+                    if key in zopt.piece_state(ref):
+                        g.shard_slice(shard, ref.piece).copy_(zopt.piece_state(ref)[key])
                 gathered = zopt.comm.all_gather_shards(shard, lambda: f"all-gather of optimizer state {key!r}")  # (N, shard)
                 for i in with_state:
                     state[index[g.params[i]]][key] = _full_param(g, gathered, i).cpu()
             else:  # one number per parameter, the same in every piece of it
                 values = torch.full((len(g.params),), float("-inf"), dtype=torch.float64, device=device)
                 for ref in refs:
-                    if key in inner_state.get(ref.tensor, {}):
-                        values[ref.piece.param] = float(inner_state[ref.tensor][key])
+                    if key in zopt.piece_state(ref):
+                        values[ref.piece.param] = float(zopt.piece_state(ref)[key])
                 zopt.comm.all_reduce(values, op=dist.ReduceOp.MAX, what=lambda: f"all-reduce of optimizer state {key!r}")
                 for i in with_state:
                     state[index[g.params[i]]][key] = _number(values[i].item(), kind, dtype)

@@ -58,6 +58,19 @@ class Stepped:
     def cls(self) -> type:
         return type(self.inner)
 
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """The inner optimizer's state, keyed by the stepped tensors (read it here each time: torch's
+        ``load_state_dict`` gives the inner optimizer a new dict). With disk offload, and for the pieces
+        whose state is stored encoded (step_lowp.py), the elementwise entries are here only inside
+        ``state_in_memory``."""
+        return self.inner.state
+
+    def state_of(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """One stepped tensor's state: the inner optimizer's own entry, or ``{}`` (not stored) before
+        its first step; to add an entry, write ``state[tensor]``."""
+        return self.inner.state.get(tensor, {})
+
     def offsets(self) -> list[list[int]]:
         """Per group, each piece's first element in this rank's shard."""
         return [[p.shard_offset for p in g.pieces] for g in self.groups]
@@ -131,7 +144,7 @@ class StepBackend:
 
     @contextlib.contextmanager
     def state_in_memory(self) -> Iterator[None]:
-        """Inside the block, ``inner.state`` holds every piece's whole state (see ``materialized_state``)."""
+        """Inside the block, ``stepped.state`` holds every piece's whole state (see ``materialized_state``)."""
         yield
 
     def held(self) -> dict[str, list[torch.Tensor]]:

@@ -31,4 +31,4 @@ class CpuTilesStep(TorchStep):
         assert grads.pairs is not None
         by_piece = {where: grad.reshape(-1) for where, (_, grad) in zip(grads.where, grads.pairs)}
         inner, settings = self.stepped.inner, self.stepped.settings_of()
-        hooked_step(inner, lambda: self.tiled.step(by_piece, inner.state, settings))
+        hooked_step(inner, lambda: self.tiled.step(by_piece, self.stepped.state, settings))

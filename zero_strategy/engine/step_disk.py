@@ -17,7 +17,7 @@ from .tiled_step import plan_tiles
 class DiskStep(HostTilesStep):
     """Each tile's state read from its files, stepped by a scratch optimizer, and written back, with
     the reads and writes of the neighbouring tiles on an I/O thread. ``state_in_memory`` brings it
-    all into ``inner.state`` for state dicts, and a loaded state goes back to the files."""
+    all into ``stepped.state`` for state dicts, and a loaded state goes back to the files."""
 
     def __init__(self, stepped: Stepped, config: ZeroConfig, owner: Any) -> None:
         super().__init__(stepped, config, owner)
@@ -28,21 +28,21 @@ class DiskStep(HostTilesStep):
 
     def step_tiles(self, grad_of: GradOf, grads: StepGradients) -> None:
         s = self.stepped
-        self.stepper.step(s.tensors, s.offsets(), grad_of, s.inner.state, s.settings_of(), self.written)
+        self.stepper.step(s.tensors, s.offsets(), grad_of, s.state, s.settings_of(), self.written)
 
     @contextlib.contextmanager
     def state_in_memory(self) -> Iterator[None]:
         s = self.stepped
         offsets = s.offsets()
-        self.stepper.materialize(s.tensors, offsets, s.inner.state)
+        self.stepper.materialize(s.tensors, offsets, s.state)
         try:
             yield
         finally:
-            self.stepper.spill(s.tensors, offsets, s.inner.state)
+            self.stepper.spill(s.tensors, offsets, s.state)
 
     def state_loaded(self) -> None:
         super().state_loaded()
-        self.stepper.spill(self.stepped.tensors, self.stepped.offsets(), self.stepped.inner.state)
+        self.stepper.spill(self.stepped.tensors, self.stepped.offsets(), self.stepped.state)
 
     def disk_bytes(self) -> int:
         return self.disk.nbytes()

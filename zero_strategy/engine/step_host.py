@@ -101,7 +101,7 @@ class HostTilesStep(StepBackend):
 
     def keep_state_on_host(self) -> None:
         """Lightning's checkpoint restore moves optimizer state to the root device; put it back."""
-        state = self.stepped.inner.state
+        state = self.stepped.state
         for tensors in self.stepped.tensors:
             for t in tensors:
                 entry = state.get(t)

@@ -203,7 +203,7 @@ class LowPrecisionStep(StepBackend):
         return opt
 
     def _step_pieces(self, by_piece: dict[PieceKey, torch.Tensor], settings: Any) -> None:
-        state = self.stepped.inner.state
+        state = self.stepped.state
         seed = self.config.stochastic_rounding_seed
         round_weights = self.config.master_weights_dtype == "bf16" and self.config.stochastic_rounding
         for key, grad in by_piece.items():
@@ -262,7 +262,7 @@ class LowPrecisionStep(StepBackend):
 
     @contextlib.contextmanager
     def state_in_memory(self) -> Iterator[None]:
-        state = self.stepped.inner.state
+        state = self.stepped.state
         decoded = []
         for key in list(self.encoded):
             tensor = self.stepped.tensors[key[0]][key[1]]
@@ -272,7 +272,7 @@ class LowPrecisionStep(StepBackend):
             yield
         finally:
             for key, tensor in decoded:
-                entry = self.stepped.inner.state.get(tensor, {})
+                entry = self.stepped.state_of(tensor)
                 for name in list(entry):
                     if is_elementwise(entry[name]):
                         self._store_whole(key, name, entry.pop(name))
@@ -295,7 +295,7 @@ class LowPrecisionStep(StepBackend):
     def state_loaded(self) -> None:
         self.encoded = {}
         order = self._inner_order()
-        state = self.stepped.inner.state
+        state = self.stepped.state
         encoded = 0
         for j, values in self._loaded.items():
             key = order[j]

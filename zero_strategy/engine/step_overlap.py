@@ -31,9 +31,8 @@ class OverlappedStep(HostTilesStep):
                 f"{cls.__module__}.{cls.__qualname__} is not one of them (a subclass may keep state of its own). "
                 "Set offload_overlap=False.")
         super().__init__(stepped, config, owner)
-        inner = stepped.inner  # kept for good; torch's load_state_dict replaces only its state dict
         self.early = OverlappedHostStep(  # owner: a weak proxy (the gradient hooks hold this object)
-            stepped.groups, stepped.tensors, stepped.user_group, cls, stepped.kwargs, state=lambda: inner.state,
+            stepped.groups, stepped.tensors, stepped.user_group, cls, stepped.kwargs, state=lambda: stepped.state,
             settings=lambda: owner._coming_settings(),
             factor=lambda: None if owner._step.ready else owner._grad_factor(),
             grad_of=lambda gi, pi: owner.reducer.piece_grad(gi, stepped.groups[gi].pieces[pi]))
@@ -56,10 +55,10 @@ class OverlappedStep(HostTilesStep):
 
     def computed_ahead(self, grad_of: GradOf, grads: StepGradients) -> tuple[dict[PieceKey, Any], Collection[PieceKey]]:
         taken = self.early.take(self.stepped.settings_of(), self._owner._grad_factor(), grads.changed)
-        return taken, self.early.swap(taken, grad_of.keys(), self.stepped.inner.state)
+        return taken, self.early.swap(taken, grad_of.keys(), self.stepped.state)
 
     def commit(self, key: PieceKey, result: Any) -> None:
-        self.early.commit(key, result, self.stepped.inner.state)
+        self.early.commit(key, result, self.stepped.state)
 
     def discard(self) -> None:
         self.early.discard()

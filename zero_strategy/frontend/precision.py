@@ -1,4 +1,5 @@
-"""The precision of ZeRO training, the same object for every front end (no Lightning here).
+"""The precision of ZeRO training, the same object for every front end (no Lightning import here:
+only ``lightning_utilities``' ``apply_to_collection``, a small package Lightning depends on).
 
 [Note: precision]
 "bf16-mixed" and "16-mixed" here mean what they mean in ZeRO, not autocast: the module's weights
