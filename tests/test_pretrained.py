@@ -290,6 +290,24 @@ def _front_ends(rank, world_size, path):
             model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
             fabric.load_raw(path, model)
             out[("load_raw", stage)] = _train("gpt2", model, opt, rank, fabric.backward)
+    # a DeepSpeed script: from_pretrained inside zero.Init, then initialize (each rank reads its ranges)
+    import zero_strategy as deepspeed
+
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = cls.from_pretrained(path)
+    model.train()
+    on_meta = all(p.is_meta for p in model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = []
+    for step in range(STEPS):
+        loss = _loss("gpt2", engine, step, rank)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out[("zero.Init", 3)] = (on_meta, losses)
     reference = cls.from_pretrained(path)
     reference.train()
     out["ddp"] = _train("gpt2", DistributedDataParallel(reference), torch.optim.AdamW(reference.parameters(), lr=1e-3),
@@ -298,11 +316,11 @@ def _front_ends(rank, world_size, path):
 
 
 @pytest.mark.timeout(300)
-def test_from_pretrained_in_configure_model_and_init_module_and_load_raw_train_as_ddp(checkpoints):
+def test_from_pretrained_in_configure_model_init_module_zero_init_and_load_raw_train_as_ddp(checkpoints):
     for out in run_distributed(_front_ends, 2, checkpoints["gpt2"]):
         want = torch.tensor(out.pop("ddp"))
         for key, got in out.items():
-            if key[0] == "init_module":
+            if key[0] in ("init_module", "zero.Init"):
                 on_meta, got = got
                 assert on_meta == (key[1] == 3), key
             assert got[0] == pytest.approx(want[0].item(), rel=1e-6), key

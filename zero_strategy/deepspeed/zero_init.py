@@ -2,16 +2,17 @@
 
 [Note: zero.Init on the meta device]
 DeepSpeed's ``zero.Init`` partitions each parameter as its module is built. Here the same effect
-comes from the init-time sharding the Trainer uses (see [Note: init-time sharding] in
-engine/materialize.py): inside ``with zero.Init():`` modules are built on the meta device (no
-storage), and ``initialize`` at stage 3 materialises them unit by unit with each module's own
-``reset_parameters()``, broadcast from rank 0 and sharded before the next unit is built, so the
-whole model never exists on any rank. The weights are what the modules' ``reset_parameters()``
-draw, unit by unit from the seed, so they equal neither DeepSpeed's (which draws at construction
-and broadcasts rank 0's) nor an eager build's draw order in general. A module without
-``reset_parameters()`` is named by ``initialize``. Only stage 3 builds on the meta device: a config
-of another stage given to ``Init`` is an error, and ``initialize`` at stages 0-2 names the meta
-tensors of a model built inside it.
+comes from the init context the strategies open around ``configure_model``, ``sharded_init``
+(pretrained.py): inside ``with zero.Init():`` the construction is recorded on the meta device (no
+storage; see [Note: recorded construction] in engine/deferred_init.py) and ``from_pretrained``
+attaches its files instead of reading them, and ``initialize`` at stage 3 materialises the model
+unit by unit into the shards, so the whole model never exists on any rank. A model built inside
+gets the weights an eager build on the same seed draws (the recorded construction is replayed);
+one loaded with ``from_pretrained`` gets the files' weights, each rank reading its own ranges.
+DeepSpeed draws at construction and broadcasts rank 0's, so the weights equal its run only where
+the ranks' seeds agree. Only stage 3 builds on the meta device: a config of another stage given to
+``Init`` is an error, and ``initialize`` at stages 0-2 names the meta tensors of a model built
+inside it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from ..engine.parameters import gathered_parameters
+from ..pretrained import sharded_init
 
 __all__ = ["GatheredParameters", "Init"]
 
@@ -41,8 +43,8 @@ def _stage_of(config: Any) -> Optional[int]:
 
 
 class Init(contextlib.ContextDecorator):
-    """Build the model inside this block on the meta device, for ``initialize`` at stage 3 to
-    materialise sharded (see [Note: zero.Init on the meta device]). ``enabled=False`` builds it as
+    """Record the model built inside this block on the meta device (``from_pretrained`` included), for
+    ``initialize`` at stage 3 to materialise sharded (see [Note: zero.Init on the meta device]). ``enabled=False`` builds it as
     usual. DeepSpeed's other arguments (groups, ``mem_efficient_linear``, ``pin_memory``, ``dtype``,
     ...) are accepted; ``remote_device`` other than None / "none" is refused (offload is the config's
     ``zero_optimization.offload_param``), and so are ``mpu`` and parameter-parallel groups."""
@@ -63,7 +65,7 @@ class Init(contextlib.ContextDecorator):
             raise ValueError(f"zero.Init(): the config is ZeRO stage {stage}, but only stage 3 builds the model "
                              "sharded; pass enabled=(stage == 3), as DeepSpeed's examples do.")
         self.enabled = enabled
-        self._device: Optional[torch.device] = None
+        self._context: Optional[contextlib.AbstractContextManager] = None
         if module is not None and enabled:
             log.warning("zero.Init(module=...): the model exists already and is not re-built; initialize() at stage 3 "
                         "shards it as it is (build it inside `with zero.Init():` to never hold it whole).")
@@ -71,14 +73,14 @@ class Init(contextlib.ContextDecorator):
 
     def __enter__(self) -> "Init":
         if self.enabled:
-            self._device = torch.device("meta")
-            self._device.__enter__()
+            self._context = sharded_init()
+            self._context.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> bool:
-        if self._device is not None:
-            self._device.__exit__(*exc)
-            self._device = None
+        if self._context is not None:
+            context, self._context = self._context, None
+            context.__exit__(*exc)
         return False
 
 
