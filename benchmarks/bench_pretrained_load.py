@@ -5,6 +5,7 @@ around ``configure_model``: built on meta, each rank reads the byte ranges of it
 
     python benchmarks/bench_pretrained_load.py                   # GPT-2 medium-sized: 355M parameters
     python benchmarks/bench_pretrained_load.py --layers 2 --width 256 --vocab 1024   # a quick try
+    python benchmarks/bench_pretrained_load.py --rounds 3        # the ways interleaved, 3 rounds
 
 The model is a GPT-2 with random weights saved once with ``save_pretrained`` (fp32 safetensors, in
 shards of ``--max-shard-size``, reused from ``--dir``); each way runs in fresh processes (the peak
@@ -12,8 +13,10 @@ resident set belongs to a process). Per rank it prints the peak resident set dur
 (``VmHWM`` after ``/proc/self/clear_refs`` reset it; file-backed pages of memory-mapped files
 count, as the resident set counts them), over the model's bytes; the model state held right after
 (this rank's shards); the peak minus that state, against the largest stage-3 unit plus the largest
-piece read at once (the read buffer); and the load time. Memory figures hold on a shared machine;
-times need a quiet one.
+piece read at once (the read buffer); and the load time. With ``--rounds R`` the two ways alternate
+R times and the last line gives the new way's load time over today's (the slower rank's of each
+run), median and range over the rounds. Memory figures hold on a shared machine; times need a quiet
+one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -129,6 +133,7 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=1024)
     parser.add_argument("--max-shard-size", default="500MB")
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "zero_bench_pretrained"))
+    parser.add_argument("--rounds", type=int, default=1, help="the two ways interleaved this many times")
     args = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # freed buffers leave the resident set
     path = save_model(args)
@@ -140,14 +145,21 @@ def main() -> None:
     print("| way | rank | peak RSS during load (MiB) | over model bytes | state held after (MiB) | peak - held (MiB) "
           "| largest unit + piece (MiB) | load time (s) |")
     print("|---|---|---|---|---|---|---|---|")
-    for way in ("today", "new"):
-        for rank, r in enumerate(run_way(way, path)):
-            mib = 2**20
-            print(f"| {'from_pretrained in __init__' if way == 'today' else 'from_pretrained in sharded_init'} | "
-                  f"{rank} | {r['peak'] / mib:.0f} | {r['peak'] / r['model_bytes']:.2f} | {r['held'] / mib:.0f} | "
-                  f"{(r['peak'] - r['held']) / mib:.0f} | {(r['largest_unit'] + r['largest_piece']) / mib:.0f} | "
-                  f"{r['seconds']:.1f} |")
-
+    ratios = []
+    for _ in range(args.rounds):
+        seconds = {}
+        for way in ("today", "new"):
+            runs = run_way(way, path)
+            seconds[way] = max(r["seconds"] for r in runs)
+            for rank, r in enumerate(runs):
+                mib = 2**20
+                print(f"| {'from_pretrained in __init__' if way == 'today' else 'from_pretrained in sharded_init'} | "
+                      f"{rank} | {r['peak'] / mib:.0f} | {r['peak'] / r['model_bytes']:.2f} | {r['held'] / mib:.0f} | "
+                      f"{(r['peak'] - r['held']) / mib:.0f} | {(r['largest_unit'] + r['largest_piece']) / mib:.0f} | "
+                      f"{r['seconds']:.1f} |")
+        ratios.append(seconds["new"] / seconds["today"])
+    print(f"load time new / today over {len(ratios)} round(s): median {statistics.median(ratios):.2f}x, "
+          f"range {min(ratios):.2f}-{max(ratios):.2f}x")
 
 if __name__ == "__main__":
     main()
