@@ -351,13 +351,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, fre
     deadline = _call_deadline(timeout_s)
     if fresh:
         pool = _Pool(world_size)
-        try:
-            results = pool.run(fn, args, deadline, check_group=False)
-        except BaseException:
+        try:  # the results are in once run returns: the processes are ended, not asked to leave the group
+            return pool.run(fn, args, deadline, check_group=False)  # (whose teardown waits 10 s per rank
+        finally:                                                    # after a call that diverged on purpose)
             pool.kill()
-            raise
-        pool.close()
-        return results
     pool = _pools.get(world_size)
     if pool is None or not pool.usable:
         if pool is not None:
