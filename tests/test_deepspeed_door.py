@@ -274,6 +274,9 @@ def _zero_init(rank: int, folder: str) -> dict:
         model = Regressor()
     on_meta = all(p.is_meta for p in model.parameters())
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
+    torch.manual_seed(0)
+    eager = Regressor().to(torch.bfloat16).state_dict()  # what the same seed builds whole
+    built = _gathered(model)
     for step in range(2):
         engine.backward(engine(*_batch(step, rank))["loss"])
         engine.step()
@@ -282,7 +285,8 @@ def _zero_init(rank: int, folder: str) -> dict:
     gathered = {n: p.detach().clone() for n, p in _gathered(model).items()}
     saved = engine.save_16bit_model(folder, "model16.bin")
     engine.save_checkpoint(folder)
-    return {"on_meta": on_meta, "whole": whole, "gathered": gathered, "saved": saved}
+    return {"on_meta": on_meta, "whole": whole, "gathered": gathered, "saved": saved,
+            "as_eager": built.keys() == eager.keys() and all(torch.equal(built[k], eager[k]) for k in eager)}
 
 
 def _gathered(model: nn.Module) -> dict:
@@ -355,6 +359,7 @@ def test_scripts_surface_on_two_ranks(tmp_path):
         assert autocast["moved"]
         init = out["zero.Init"]
         assert init["on_meta"] and init["saved"] and init["whole"].shape == (16, 6)
+        assert init["as_eager"]  # built inside zero.Init: the eager build's weights, bit for bit
         assert torch.equal(init["whole"], init["gathered"]["fc1.weight"])
     assert torch.equal(by_rank[0]["zero.Init"]["whole"], by_rank[1]["zero.Init"]["whole"])
 
