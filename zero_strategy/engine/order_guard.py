@@ -67,8 +67,9 @@ class OrderGuard:
         self.passes = 0  # passes begun: forward (and backward) of the whole module, or a step around it
         self.seq = 0  # gathers in the current pass
         self._unchecked: list[tuple[torch.Tensor, torch.Tensor]] = []  # deferred: (any difference, tags)
-        OrderGuard.made += 1
-        self._key = f"gather/{OrderGuard.made}"  # every rank makes its guards in the same order
+        OrderGuard.made += 1  # every rank makes its guards in the same order; the group's first rank and size
+        self._key = f"gather/{OrderGuard.made}/{comm.global_rank(0)}+{comm.world_size}"  # tell subgroups apart
+        self._members = {comm.global_rank(r) for r in range(comm.world_size)}
 
     made = 0  # guards made in this process: the store's posts of one guard are not another's
 
@@ -100,7 +101,7 @@ class OrderGuard:
             posted = {r: [int(v) for v in text.split(",")] for r, text in board.posted(self._key).items()}
         except Exception:  # the store is gone or slow: the watchdog goes on
             return
-        same_point = {r: t for r, t in posted.items() if t[:2] == mine[:2]}
+        same_point = {r: t for r, t in posted.items() if r in self._members and t[:2] == mine[:2]}
         if any(t != mine for t in same_point.values()):
             rows = {board.rank: mine, **same_point}
             ranks = sorted(rows)
@@ -125,7 +126,8 @@ class OrderGuard:
         if bool((tags == tags[0]).all()):
             return
         lines = []
-        for rank, (passes, seq, unit, phase, context) in zip(ranks or range(len(tags)), decode(tags)):
+        ranks = ranks or [self.comm.global_rank(r) for r in range(len(tags))]  # global ranks, as the store's
+        for rank, (passes, seq, unit, phase, context) in zip(ranks, decode(tags)):
             doing = _DOING[phase].format(unit=self._name(unit), context=self._name(context)) \
                 if 0 <= phase < len(_DOING) else f"phase {phase} of {self._name(unit)}"
             lines.append(f"  rank {rank}: {doing} (pass {passes}, gather {seq} in it)")
