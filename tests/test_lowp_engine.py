@@ -94,6 +94,11 @@ def _state_vector(opt) -> torch.Tensor:
                       if k != "step"]) if state else torch.zeros(0)
 
 
+def _stored_on_host(opt) -> bool:
+    stored = opt.memory_tensors()
+    return bool(stored["stored_states"]) and all(any(t is h for h in stored["host"]) for t in stored["stored_states"])
+
+
 def _all_runs(rank: int, world_size: int, folder: str = "") -> dict[str, dict[str, torch.Tensor]]:
     """Every combination at stages 1-3 (and SGD with int8 momentum at stage 2)."""
     out = {}
@@ -102,8 +107,14 @@ def _all_runs(rank: int, world_size: int, folder: str = "") -> dict[str, dict[st
             model, opt = _build(_config(stage, state, master), tile=128 if world_size > 1 else 192)
             losses = _train(model, opt, STEPS)
             out[f"{stage}-{state}-{master}"] = {**_weights(model, opt), "#losses": torch.tensor(losses)}
+        model, opt = _build(_config(stage, "int8", "fp32", offload_optimizer=True),  # the state encoded on the host
+                            tile=128 if world_size > 1 else 192)
+        losses = _train(model, opt, STEPS)
+        out[f"{stage}-int8-fp32-offload"] = {**_weights(model, opt), "#losses": torch.tensor(losses),
+                                             "#host": torch.tensor(_stored_on_host(opt))}
     model, opt = _build(_config(2, "int8", "bf16"), sgd=True)
-    out["2-int8-bf16-sgd"] = {**_weights(model, opt), "#losses": torch.tensor(_train(model, opt, STEPS))}
+    losses = _train(model, opt, STEPS)  # before _weights: a dict display evaluates in order
+    out["2-int8-bf16-sgd"] = {**_weights(model, opt), "#losses": torch.tensor(losses)}
     out.update(_resumed(rank, world_size))
     if world_size > 1:
         out.update(_checkpointed(folder))
@@ -205,6 +216,10 @@ def test_every_combination_equals_one_process_bit_for_bit_at_every_stage_and_res
     for rank, runs in enumerate(ranks):
         for name, want in reference.items():
             _assert_equal(runs[name], want, f"rank {rank}, {name}")
+    for stage in (1, 2, 3):  # offloaded: the same bits as on the device, the encoded state held on the host
+        offloaded = dict(reference[f"{stage}-int8-fp32-offload"])
+        assert offloaded.pop("#host").item(), stage
+        _assert_equal(offloaded, reference[f"{stage}-int8-fp32"], f"stage {stage}, int8 state offloaded")
     # the combinations change the result (the parity above is not of fp32 runs in disguise)
     assert not torch.equal(reference["2-int8-bf16"]["a.weight"], reference["2-bf16-bf16"]["a.weight"])
     assert not torch.equal(reference["2-int8-bf16"]["#state"], reference["2-int8-fp32"]["#state"]) or \
@@ -236,8 +251,10 @@ def test_bad_options_are_refused_with_what_is_allowed(field, value, match):
 
 
 def test_unsupported_combinations_are_refused_before_training():
-    with pytest.raises(ValueError, match="not built for optimizer offload"):
-        ZeroConfig(optimizer_state_dtype="int8", offload_optimizer=True)
+    with pytest.raises(ValueError, match="offload_dir='/tmp/x': the disk and overlapped host steps keep fp32 state"):
+        ZeroConfig(optimizer_state_dtype="int8", offload_optimizer=True, offload_dir="/tmp/x")
+    with pytest.raises(ValueError, match="bf16 masters are the device's working weights"):
+        ZeroConfig(master_weights_dtype="bf16", offload_optimizer=True)
     model = nn.Linear(8, 8).bfloat16()
     with pytest.raises(ValueError, match="int8' covers Adam, AdamW, SGD; RMSprop"):
         ZeroOptimizer(torch.optim.RMSprop(model.parameters()), ZeroConfig(stage=1, optimizer_state_dtype="int8"))
@@ -275,6 +292,11 @@ def test_the_formula_counts_each_combination():
     assert per_param == {("fp32", "fp32"): 16, ("bf16", "bf16"): 8, ("int8", "bf16"): 6 + 2 * 4 / 256}
     with pytest.raises(ValueError, match="has none"):
         estimate_memory(n, 3, 2, "32-true", master_weights_dtype="bf16")
+    offloaded = estimate_memory(n, 2, 2, "bf16-mixed", offload_optimizer=True, optimizer_state_dtype="int8")
+    state = 2 * (1 + 4 / 256) * n / 2  # two moments of int8 codes and scales, over 2 ranks, on the host
+    assert offloaded["optimizer_states"] == state and offloaded["host"] == state + (4 + 4) * n / 2  # + masters, grads
+    with pytest.raises(ValueError, match="offload_disk=True with optimizer_state_dtype='int8'"):
+        estimate_memory(n, 2, 2, "bf16-mixed", offload_optimizer=True, offload_disk=True, optimizer_state_dtype="int8")
 
 
 # ---- DeepSpeed's keys --------------------------------------------------------------------------

@@ -163,7 +163,8 @@ class ZeroConfig:
     first moments and momenta, an unsigned one for second moments: see [Note: int8 state] in
     engine/lowp.py; Adam, AdamW and SGD only). The update itself is the user's optimizer's, in fp32,
     a tile at a time (see [Note: the low-precision step] in engine/step_lowp.py). Parameters of fewer
-    than ``optimizer_state_min_numel`` elements keep fp32 state."""
+    than ``optimizer_state_min_numel`` elements keep fp32 state. With ``offload_optimizer`` the state
+    is stored encoded in host memory; ``offload_dir`` and ``offload_overlap`` are refused with it."""
 
     master_weights_dtype: str = "fp32"
     """The dtype of the weights the optimizer updates. "fp32": as ``master_weights`` says (an fp32
@@ -292,10 +293,17 @@ class ZeroConfig:
         if type(least) is not int or least < 0:
             raise ValueError(f"optimizer_state_min_numel={least!r} must be a non-negative integer (parameters with "
                              "fewer elements keep fp32 state; 0: none do).")
-        if self.low_precision_step and (self.offload_optimizer or self.offload_dir is not None):
+        if self.low_precision_step and (self.offload_dir is not None or self.offload_overlap):
+            what = f"offload_dir={self.offload_dir!r}" if self.offload_dir is not None else "offload_overlap=True"
             raise ValueError(f"optimizer_state_dtype={self.optimizer_state_dtype!r} / master_weights_dtype="
-                             f"{self.master_weights_dtype!r} are not built for optimizer offload yet (the host and "
-                             "disk steps keep fp32 state); drop offload_optimizer, or keep both at \"fp32\".")
+                             f"{self.master_weights_dtype!r} with {what}: the disk and overlapped host steps keep "
+                             "fp32 state. Offload to host memory only (offload_optimizer=True, which stores the "
+                             "state encoded there), or keep both at \"fp32\".")
+        if self.master_weights_dtype == "bf16" and self.offload_optimizer:
+            raise ValueError("master_weights_dtype='bf16' with offload_optimizer=True: bf16 masters are the device's "
+                             "working weights, so nothing of them can move to the host. Keep fp32 masters to offload "
+                             "them (optimizer_state_dtype='int8' or 'bf16' still stores the state encoded on the "
+                             "host), or drop offload_optimizer.")
 
     @property
     def low_precision_step(self) -> bool:

@@ -118,7 +118,8 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
         state_b = optimizer_state_bytes
     if optimizer_state_dtype != "fp32" or master_weights_dtype != "fp32":
         master_b, state_b = _low_precision_bytes(precision, master_b, optimizer_state_bytes, optimizer_state_dtype,
-                                                 master_weights_dtype, optimizer_state_block_size, offload_optimizer)
+                                                 master_weights_dtype, optimizer_state_block_size, offload_optimizer,
+                                                 offload_disk)
     n = world_size
     shard = n if stage >= 1 else 1
     trained = num_params if trainable_params is None else trainable_params
@@ -153,12 +154,16 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
 
 
 def _low_precision_bytes(precision: str, master_b: int, state_bytes: Optional[float], state_dtype: str,
-                         master_dtype: str, block: int, offload: bool) -> tuple[int, float]:
+                         master_dtype: str, block: int, offload: bool, offload_disk: bool) -> tuple[int, float]:
     """(master copy, optimizer state) bytes per parameter of the low-precision step (see estimate_memory)."""
     from .config import ZeroConfig
 
     ZeroConfig(optimizer_state_dtype=state_dtype, master_weights_dtype=master_dtype,  # their checks
                optimizer_state_block_size=block, offload_optimizer=offload)
+    if offload_disk:
+        raise ValueError(f"offload_disk=True with optimizer_state_dtype={state_dtype!r} / master_weights_dtype="
+                         f"{master_dtype!r}: the disk step keeps fp32 state. Estimate host offload "
+                         "(offload_optimizer=True alone, the state stored encoded there), or both dtypes at 'fp32'.")
     if master_dtype == "bf16":
         if PRECISION_DTYPES[normalize_precision(precision)] != torch.bfloat16:
             raise ValueError(f"master_weights_dtype='bf16' makes bf16 working weights their own master; precision="

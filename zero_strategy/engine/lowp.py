@@ -44,7 +44,6 @@ whole blocks, exactly.
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence

@@ -70,6 +70,16 @@ def wait_for_copies(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def keep_state_on_host(state: dict[torch.Tensor, dict[str, Any]], tensors: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Put each stepped host tensor's optimizer state back beside it: Lightning's checkpoint restore
+    moves optimizer state to the root device."""
+    for group in tensors:
+        for t in group:
+            entry = state.get(t)
+            if entry and any(isinstance(v, torch.Tensor) and v.device != t.device for v in entry.values()):
+                state[t] = {k: v.to(t.device) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+
+
 def host_optimizer_kwargs(cls: type, kwargs: dict[str, Any], dtypes: Sequence[torch.dtype] = ()) -> dict[str, Any]:
     """``kwargs`` for ``cls`` stepping host tensors of ``dtypes``: fused (or foreach) unless the user chose.
 

@@ -41,7 +41,7 @@ from .step_disk import DiskStep
 from .step_fused import FusedStep
 from .step_grads import StepGradients
 from .step_host import HostTilesStep
-from .step_lowp import LowPrecisionStep
+from .step_lowp import LowPrecisionHostStep, LowPrecisionStep
 from .step_overlap import OverlappedStep
 from .step_torch import TorchStep
 
@@ -54,10 +54,10 @@ def choose_step_backend(config: ZeroConfig, cls: type, device: torch.device) -> 
         return OverlappedStep
     if config.offload_dir is not None:
         return DiskStep
+    if config.low_precision_step:  # see [Note: the low-precision step] in step_lowp.py
+        return LowPrecisionHostStep if config.offload_optimizer else LowPrecisionStep
     if config.offload_optimizer:
         return HostTilesStep
-    if config.low_precision_step:  # see [Note: the low-precision step] in step_lowp.py
-        return LowPrecisionStep
     if kernels.available(torch.empty(0, device=device)):
         return FusedStep
     return _torch_backend(cls, device)
@@ -339,7 +339,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         host: list[torch.Tensor] = []
         if self.step_backend.on_host:
             state = [v for entry in self.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
-            host = [*self.reducer.host_tensors(), *(m for m in masters if m.device == HOST), *state, *pending]
+            host = [*self.reducer.host_tensors(), *(m for m in masters if m.device == HOST), *state, *pending,
+                    *held.get("stored_states", [])]
         return {"grads": self.reducer.held_tensors(),  # fp32 weights are their own master: no copy
                 "master_params": masters, "pending_states": pending, "host": host,
                 "stored_states": held.get("stored_states", []),  # low-precision state (step_lowp.py)

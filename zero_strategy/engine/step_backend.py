@@ -16,7 +16,8 @@ chosen once when the ZeroOptimizer is built (``choose_step_backend`` in optimize
 - ``OverlappedStep`` (step_overlap.py): the host step started during backward
   (``offload_overlap``: see [Note: the overlapped host step] in overlap.py);
 - ``LowPrecisionStep`` (step_lowp.py): bf16 or int8 optimizer state, bf16 masters with stochastic
-  rounding, tile by tile in fp32 scratch (see [Note: the low-precision step] in step_lowp.py).
+  rounding, tile by tile in fp32 scratch (see [Note: the low-precision step] in step_lowp.py), and
+  ``LowPrecisionHostStep``, the same on offloaded pieces, the state encoded in host memory.
 
 The ZeroOptimizer keeps what every mode shares: the pieces and their param groups, the reduced
 gradients (``StepGradients``), clipping, the loss scaler, the all-gather of the updated weights

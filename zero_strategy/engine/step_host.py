@@ -18,7 +18,7 @@ from typing import Any, Collection, Sequence
 import torch
 
 from ..config import ZeroConfig
-from .offload import host_optimizer_kwargs, wait_for_copies
+from .offload import host_optimizer_kwargs, keep_state_on_host, wait_for_copies
 from .step_backend import StepBackend, Stepped
 from .step_grads import StepGradients
 from .tiled_step import PieceKey, TilePart, hooked_step, plan_tiles, unhooked_step
@@ -100,13 +100,7 @@ class HostTilesStep(StepBackend):
             g.write_back_piece(piece, part.start - piece.shard_offset, part.end - piece.shard_offset)
 
     def keep_state_on_host(self) -> None:
-        """Lightning's checkpoint restore moves optimizer state to the root device; put it back."""
-        state = self.stepped.state
-        for tensors in self.stepped.tensors:
-            for t in tensors:
-                entry = state.get(t)
-                if entry and any(isinstance(v, torch.Tensor) and v.device != t.device for v in entry.values()):
-                    state[t] = {k: v.to(t.device) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        keep_state_on_host(self.stepped.state, self.stepped.tensors)
 
     def state_loaded(self) -> None:
         inner = self.stepped.inner

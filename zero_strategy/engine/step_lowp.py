@@ -32,6 +32,14 @@ bf16 masters: with ``master_weights_dtype="bf16"`` the config asks for no fp32 c
 (``master_dtype`` None), so the tensor stepped is the bf16 working weights: the rank's shard at
 stage 3, its slices of the resident buffer at stages 1-2. No second copy exists.
 
+With optimizer offload (``offload_optimizer``; ``LowPrecisionHostStep``) the fp32 masters, the
+gradients' shards and the encoded state are host tensors (so the host holds the state in its stored
+form, 1 or 2 bytes per element instead of 4), and the same tiles step there with the user's
+settings (not the host step's fused kernel: the arithmetic, and so the bits, are those of the
+step without offload); each updated piece is then copied to the device's working weights. bf16
+masters are the device's working weights and stay there: they do not combine with offload. Disk
+offload and ``offload_overlap`` keep fp32 state (refused with these options: ZeroConfig).
+
 Checkpoints see fp32: inside ``state_in_memory`` the inner optimizer's state holds every piece's
 state decoded to fp32 (what ``state_dict`` and sharded checkpoints save, so they reshard like any
 fp32 state and load into any ``optimizer_state_dtype``); after it, the state is encoded again
@@ -49,6 +57,7 @@ import torch
 
 from ..config import ZeroConfig
 from .lowp import Bf16State, Int8State, round_to_bf16
+from .offload import keep_state_on_host, wait_for_copies
 from .optimizer_checks import ELEMENTWISE_OPTIMIZERS
 from .state import is_elementwise
 from .step_backend import StepBackend, Stepped
@@ -190,7 +199,11 @@ class LowPrecisionStep(StepBackend):
             group["lowp_step"] = group.get("lowp_step", 0) + 1
         inner, settings = self.stepped.inner, self.stepped.settings_of()
         hooked_step(inner, lambda: self._step_pieces(by_piece, settings))
-        self.stepped.write_back()  # an fp32 master's rounding into bf16/fp16 working weights
+        self.write_back(by_piece)
+
+    def write_back(self, stepped: dict[PieceKey, torch.Tensor]) -> None:
+        """An fp32 master's rounding into bf16/fp16 working weights."""
+        self.stepped.write_back()
 
     def _scratch_optimizer(self, weights: torch.Tensor, hyper: dict[str, Any]) -> torch.optim.Optimizer:
         """The one scratch optimizer of the user's class, over ``weights`` with ``hyper`` now."""
@@ -326,3 +339,31 @@ class LowPrecisionStep(StepBackend):
 
     def stored_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.stored_tensors())
+
+
+class LowPrecisionHostStep(LowPrecisionStep):
+    """The low-precision step on offloaded pieces: host masters, gradients and encoded state (see
+    [Note: the low-precision step])."""
+
+    on_host = True
+
+    def gradients_reduced(self) -> None:
+        wait_for_copies(self.stepped.device)  # the gradients' copies to the host
+
+    def update(self, grads: StepGradients) -> None:
+        self.keep_state_on_host()
+        super().update(grads)
+
+    def write_back(self, stepped: dict[PieceKey, torch.Tensor]) -> None:
+        """Copy each stepped piece's master to the device's working weights, then wait for the copies."""
+        for gi, pi in stepped:
+            g = self.stepped.groups[gi]
+            g.write_back_piece(g.pieces[pi])
+        wait_for_copies(self.stepped.device)
+
+    def keep_state_on_host(self) -> None:
+        keep_state_on_host(self.stepped.state, self.stepped.tensors)
+
+    def state_loaded(self) -> None:
+        super().state_loaded()
+        self.keep_state_on_host()
