@@ -121,7 +121,7 @@ def _all_runs(rank: int, world_size: int, folder: str = "") -> dict[str, dict[st
     return out
 
 
-CHECKPOINTED = (("int8", "bf16"), ("int8", "fp32"))
+CHECKPOINTED = (("int8", "bf16"), ("int8", "fp32"), ("bf16", "bf16"))
 
 
 def _checkpointed(folder: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -138,7 +138,9 @@ def _checkpointed(folder: str) -> dict[str, dict[str, torch.Tensor]]:
         path = Path(folder) / f"{state}-{master}"
         model, opt = _build(_config(3, state, master))
         _train(model, opt, 2)
+        decoded = _state_vector(opt)  # the state after 2 steps, decoded to fp32
         save_sharded(path, {"global_step": 2, "optimizer_states": [{}]}, model, [opt], opt.sharder, Collectives(), 3)
+        out[f"stored-{state}-{master}"] = _stored_form(path, state, decoded)
         for stage in (3, 2):
             torch.manual_seed(1)
             model, opt = _build(_config(stage, state, master))
@@ -152,6 +154,32 @@ def _checkpointed(folder: str) -> dict[str, dict[str, torch.Tensor]]:
             losses = _train(model, opt, 2, first=2)
             out[f"checkpoint-{state}-{master}-s{stage}"] = {**_weights(model, opt), "#losses": torch.tensor(losses)}
     return out
+
+
+def _stored_form(path, state: str, decoded: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a checkpoint of int8 or bf16 state holds (codes and scales, or bf16 values), and that it loads
+    into fp32 state and consolidates to the state decoded before the save."""
+    from zero_strategy.checkpoint import CheckpointReader, load_model, load_optimizers
+    from zero_strategy.checkpoint.consolidate import full_optimizer_states
+    from zero_strategy.checkpoint.sharded import flat_groups
+
+    reader = CheckpointReader(path)
+    saved = reader.trainer_state()["zero_checkpoint"]
+    dtypes = {tuple(n.split("/")[2:]): reader.read(n, 0, 1).dtype for n in reader.tensors if n.startswith("optim/")}
+    consolidated = full_optimizer_states(reader, saved)[0]["state"]
+    torch.manual_seed(1)
+    fp32_model, fp32_opt = _build(_config(2, "fp32", "fp32"))
+    load_model(reader, saved, fp32_model, flat_groups([fp32_opt], None))
+    load_optimizers(reader, saved, fp32_model, [fp32_opt])
+    if state == "int8":
+        form = (dtypes.get(("exp_avg:codes", "a.weight")) == torch.uint8
+                and dtypes.get(("exp_avg_sq:scales", "a.weight")) == torch.float32 and ("exp_avg", "a.weight") not in dtypes)
+    else:
+        form = dtypes.get(("exp_avg", "a.weight")) == torch.bfloat16
+    return {"#form": torch.tensor(form and dtypes.get(("exp_avg", "a.bias")) == torch.float32),  # a.bias: small, fp32
+            "#decoded": decoded, "#in fp32 state": _state_vector(fp32_opt),
+            "#consolidated": torch.cat([v.reshape(-1).float() for i in sorted(consolidated)
+                                        for k, v in sorted(consolidated[i].items()) if k != "step"])}
 
 
 def _resumed(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -230,6 +258,11 @@ def test_every_combination_equals_one_process_bit_for_bit_at_every_stage_and_res
         _assert_equal(ranks[1][f"resumed-{state}-2 ranks"], want, f"resume {state} at 2 ranks, rank 1")
         _assert_equal(ranks[0][f"resumed-{state}-1 rank"], want, f"resume {state} from 2 ranks onto 1")
     for state, master in CHECKPOINTED:  # a sharded checkpoint of stage 3, loaded at stages 3 and 2
+        for rank in (0, 1):  # it holds int8 codes and fp32 scales (or bf16), which decode to the state as it was
+            stored = ranks[rank][f"stored-{state}-{master}"]
+            assert stored["#form"].item(), f"the checkpoint holds the {state} state in its stored form"
+            assert torch.equal(stored["#in fp32 state"], stored["#decoded"]), "loaded into fp32 state"
+            assert torch.equal(stored["#consolidated"], stored["#decoded"]), "zero-consolidate's fp32 state"
         want = _straight(state, master)
         for rank in (0, 1):
             for stage in (3, 2):

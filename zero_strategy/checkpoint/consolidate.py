@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from .files import atomic_write
-from .sharded import _best_source, optim_name, torch_layout
+from .sharded import StoredTensor, _best_source, optim_name, state_source, torch_layout
 from .store import CheckpointError, CheckpointReader
 
 
@@ -37,8 +37,18 @@ def full_optimizer_states(reader: CheckpointReader, saved: dict[str, Any]) -> Op
     """Each optimizer's state dict in torch's own (unsharded) layout, or None for a weights-only checkpoint."""
     if saved.get("optimizers") is None:
         return None
-    return [torch_layout(rec, lambda key, name, i=i: reader.full(optim_name(i, key, name)))
+    return [torch_layout(rec, lambda key, name, i=i, rec=rec: _whole(reader, rec, i, key, name))
             for i, rec in enumerate(saved["optimizers"])]
+
+
+def _whole(reader: CheckpointReader, rec: dict[str, Any], i: int, key: str, name: str) -> torch.Tensor:
+    """A whole state tensor; bf16 and int8 state decoded to fp32 (see [Note: stored optimizer state] in
+    sharded.py)."""
+    source = state_source(reader, rec, i, key, name)
+    if isinstance(source, StoredTensor):
+        value = reader.full(optim_name(i, key, name))
+        return value.float() if key in rec.get("stored_form", {}).get(name, {}) else value
+    return source.read_range(0, source.numel()).reshape(source.shape)
 
 
 def consolidate_checkpoint(ckpt_dir: Any, out_path: Any, safetensors_path: Any = None,

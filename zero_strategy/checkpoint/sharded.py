@@ -7,11 +7,26 @@ parameter's ``<name>`` is its first name in ``module.named_parameters()``; a tie
 names map to it through ``model_keys``. What a rank owns is its pieces (see [Note: pieces]): the
 flat groups say which ranges of which parameters those are. Everything else (frozen parameters at
 stages 1 and 2, buffers) is whole on every rank, and rank 0 saves it.
+
+[Note: stored optimizer state]
+With ``optimizer_state_dtype`` "bf16" or "int8" a checkpoint keeps the state as the step stores it
+(engine/step_lowp.py), not decoded to fp32: bf16 values under the key's usual name, and int8 state
+as two tensors, ``optim/<i>/<key>:codes/<name>`` (uint8, one per element of the flattened
+parameter) and ``optim/<i>/<key>:scales/<name>`` (fp32, one per ``block`` elements from the
+parameter's start). The optimizer's record says so in ``stored_form`` (per parameter and key: the
+form, and for int8 the block, the map and the parameter's shape). In every layout of the same
+block the blocks start at multiples of ``block`` from the parameter's start (the flat layout pads to
+them: see [Note: blocks that survive a reshard] in engine/lowp.py), so each rank saves whole ranges
+of both tensors; a rank loading any other layout reads the blocks that cover its range and decodes
+them (``StoredInt8``). A load into the same dtype and block encodes the decoded values again, which
+gives the same codes (a decoded value encodes to itself); into another dtype it converts, with a log
+line. ``zero-consolidate`` decodes the state into torch's fp32 layout.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -20,6 +35,7 @@ import torch
 from torch import nn
 
 from ..engine.collectives import Collectives
+from ..engine.lowp import Int8State
 from ..engine.flat import FlatGroup
 from ..engine.optimizer import ZeroOptimizer
 from ..engine.parameters import ParameterSharder
@@ -32,6 +48,9 @@ if TYPE_CHECKING:
     from .background import BackgroundSaver
 
 MODEL, MASTER = "model/", "master/"
+CODES, SCALES = ":codes", ":scales"  # an int8 state tensor's two parts (see [Note: stored optimizer state])
+
+log = logging.getLogger(__name__)
 
 
 def optim_name(i: int, key: str, name: str) -> str:
@@ -63,6 +82,7 @@ class _RankRecord:
     specs: dict = field(default_factory=dict)  # name -> (shape, dtype)
     optim_scalars: list = field(default_factory=list)  # per optimizer: name -> {key: value}
     optim_tensors: list = field(default_factory=list)  # per optimizer: name -> [keys]
+    optim_forms: list = field(default_factory=list)  # per optimizer: name -> {key: stored form}
     checksums: dict = field(default_factory=dict)  # key -> checksum of that part's bytes
     error: str = ""
 
@@ -100,20 +120,37 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
     for i, zopt in enumerate(optimizers):
         scalars: dict[str, dict[str, Any]] = {}
         tensors: dict[str, list[str]] = {}
-        with zopt.materialized_state():  # optimizer state offloaded to disk is read back for this
+        forms: dict[str, dict[str, dict[str, Any]]] = {}
+
+        def add_state(key: str, name: str) -> None:
+            if key not in tensors.setdefault(name, []):
+                tensors[name].append(key)
+
+        with zopt.materialized_state(decoded=False):  # state offloaded to disk is read back for this
             for ref in zopt.pieces():
-                name = names[ref.param]
+                name, start, shape = names[ref.param], ref.piece.param_start, ref.group.shapes[ref.piece.param]
                 for key, value in zopt.piece_state(ref).items():
                     if is_elementwise(value):
-                        add(optim_name(i, key, name), value, ref.piece.param_start, ref.group.shapes[ref.piece.param])
-                        tensors.setdefault(name, [])
-                        if key not in tensors[name]:
-                            tensors[name].append(key)
+                        add(optim_name(i, key, name), value, start, shape)
+                        add_state(key, name)
                     else:  # a number per parameter (the step count), the same in each of its pieces
                         scalars.setdefault(name, {})[key] = value.detach().cpu().clone() if isinstance(
                             value, torch.Tensor) else value
+                for key, stored in zopt.step_backend.stored_state((ref.group_index, ref.index)).items():
+                    add_state(key, name)
+                    if isinstance(stored, Int8State):  # see [Note: stored optimizer state]
+                        assert start % stored.block == 0, "int8 blocks start at multiples of the block"
+                        add(optim_name(i, key + CODES, name), stored.codes, start, torch.Size([shape.numel()]))
+                        add(optim_name(i, key + SCALES, name), stored.scales, start // stored.block,
+                            torch.Size([-(-shape.numel() // stored.block)]))
+                        forms.setdefault(name, {})[key] = {"form": "int8", "block": stored.block,
+                                                           "signed": stored.signed, "shape": list(shape)}
+                    else:  # bf16 values
+                        add(optim_name(i, key, name), stored.values, start, shape)
+                        forms.setdefault(name, {})[key] = {"form": "bf16"}
         record.optim_scalars.append(scalars)
         record.optim_tensors.append(tensors)
+        record.optim_forms.append(forms)
     return writer, record
 
 
@@ -282,13 +319,16 @@ def _optimizer_records(param_groups: list, records: list[_RankRecord]) -> list[d
     for i, groups in enumerate(param_groups):
         scalars: dict[str, dict[str, Any]] = {}
         tensors: dict[str, list[str]] = {}
+        forms: dict[str, dict[str, Any]] = {}
         for rec in records:
             for name, values in rec.optim_scalars[i].items():
                 scalars.setdefault(name, {}).update(values)
             for name, keys in rec.optim_tensors[i].items():
                 tensors.setdefault(name, [])
                 tensors[name] += [k for k in keys if k not in tensors[name]]
-        out.append({"state": scalars, "tensor_state": tensors, "param_groups": groups})
+            for name, by_key in rec.optim_forms[i].items():
+                forms.setdefault(name, {}).update(by_key)
+        out.append({"state": scalars, "tensor_state": tensors, "param_groups": groups, "stored_form": forms})
     return out
 
 
@@ -315,6 +355,53 @@ class StoredTensor:
 
     def read_range(self, start: int, end: int) -> torch.Tensor:
         return self.reader.read(self.name, start, end)
+
+
+@dataclass(frozen=True)
+class StoredInt8:
+    """An int8 state tensor in a checkpoint (codes and scales: see [Note: stored optimizer state]), read
+    a range at a time as fp32, decoding the blocks that cover it."""
+
+    reader: CheckpointReader
+    codes: str
+    scales: str
+    signed: bool
+    block: int
+    shape: torch.Size
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def read_range(self, start: int, end: int) -> torch.Tensor:
+        lo, hi = start - start % self.block, min(self.numel(), -(-end // self.block) * self.block)
+        state = Int8State(self.reader.read(self.codes, lo, hi), self.reader.read(self.scales, lo // self.block,
+                                                                                  -(-hi // self.block)),
+                          self.signed, self.block)
+        return state.decode()[start - lo: end - lo]
+
+
+def state_source(reader: CheckpointReader, rec: dict[str, Any], i: int, key: str, name: str) -> Any:
+    """Optimizer ``i``'s elementwise state ``key`` of parameter ``name``, to read a range at a time."""
+    form = rec.get("stored_form", {}).get(name, {}).get(key, {})
+    if form.get("form") == "int8":
+        return StoredInt8(reader, optim_name(i, key + CODES, name), optim_name(i, key + SCALES, name),
+                          form["signed"], form["block"], torch.Size(form["shape"]))
+    return StoredTensor(reader, optim_name(i, key, name))
+
+
+def _log_conversion(rec: dict[str, Any], zopt: ZeroOptimizer, i: int) -> None:
+    """Say when the state's stored form in the checkpoint is not the one this run stores."""
+    config = zopt.config
+    here = config.optimizer_state_dtype, (config.optimizer_state_block_size if config.optimizer_state_dtype == "int8"
+                                          else None)
+    saved = {(f["form"], f.get("block")) for by_key in rec.get("stored_form", {}).values() for f in by_key.values()}
+    if saved and saved != {here}:
+        log.info("optimizer %d: the checkpoint stores its state as %s; this run stores it as %s: converted on load",
+                 i, ", ".join(f"{form} (block {block})" if block else form for form, block in sorted(saved)),
+                 f"{here[0]} (block {here[1]})" if here[1] else here[0])
 
 
 def _master_name(stored: str) -> str:
@@ -434,7 +521,8 @@ def load_optimizers(reader: CheckpointReader, saved: dict[str, Any], module: nn.
             raise CheckpointError(f"optimizer {i} of the checkpoint at {reader.path} steps other parameters than this "
                                   f"run's: {_first_difference(theirs, ours)}. It was saved for a different model or "
                                   "configure_optimizers.")
-        zopt.load_state_dict(torch_layout(rec, lambda key, name, i=i: StoredTensor(reader, optim_name(i, key, name))))
+        _log_conversion(rec, zopt, i)
+        zopt.load_state_dict(torch_layout(rec, lambda key, name, i=i, rec=rec: state_source(reader, rec, i, key, name)))
         load_masters(reader, saved, module, zopt.groups)
 
 

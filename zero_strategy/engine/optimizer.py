@@ -304,12 +304,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ---- state dict: the unsharded layout of the user's optimizer ---------------------------
 
     @contextlib.contextmanager
-    def materialized_state(self) -> Iterator[None]:
+    def materialized_state(self, decoded: bool = True) -> Iterator[None]:
         """Inside the block ``state[piece]`` holds every piece's whole state, as without disk
         offload (read from the files into host memory: this rank's whole shard of it); after it, the
         state goes back to the files, with any change made inside. Without disk offload: nothing to do.
-        For code that reads ``state`` directly (checkpoints): see [Note: offloaded step] in step_host.py."""
-        with self.step_backend.state_in_memory():
+        For code that reads ``state`` directly (checkpoints): see [Note: offloaded step] in step_host.py.
+        Encoded low-precision state is decoded to fp32 inside, unless ``decoded=False`` (then it is
+        only in ``step_backend.stored_state``)."""
+        with self.step_backend.state_in_memory(decoded):
             yield
 
     def state_dict(self) -> dict[str, Any]:

@@ -144,9 +144,15 @@ class StepBackend:
         """The inner optimizer's state and param groups were just loaded."""
 
     @contextlib.contextmanager
-    def state_in_memory(self) -> Iterator[None]:
-        """Inside the block, ``stepped.state`` holds every piece's whole state (see ``materialized_state``)."""
+    def state_in_memory(self, decoded: bool = True) -> Iterator[None]:
+        """Inside the block, ``stepped.state`` holds every piece's whole state (see ``materialized_state``);
+        ``decoded=False`` leaves state kept in a stored form (``stored_state``) as it is."""
         yield
+
+    def stored_state(self, key: tuple[int, int]) -> dict[str, Any]:
+        """Piece ``key``'s (flat group, piece) state kept in a stored form of the backend's own (encoded),
+        by state key: none here."""
+        return {}
 
     def held(self) -> dict[str, list[torch.Tensor]]:
         """Memory the backend keeps of its own: ``master_params`` (shadows), ``pending_states``."""

@@ -31,7 +31,7 @@ class DiskStep(HostTilesStep):
         self.stepper.step(s.tensors, s.offsets(), grad_of, s.state, s.settings_of(), self.written)
 
     @contextlib.contextmanager
-    def state_in_memory(self) -> Iterator[None]:
+    def state_in_memory(self, decoded: bool = True) -> Iterator[None]:
         s = self.stepped
         offsets = s.offsets()
         self.stepper.materialize(s.tensors, offsets, s.state)

@@ -40,10 +40,12 @@ step without offload); each updated piece is then copied to the device's working
 masters are the device's working weights and stay there: they do not combine with offload. Disk
 offload and ``offload_overlap`` keep fp32 state (refused with these options: ZeroConfig).
 
-Checkpoints see fp32: inside ``state_in_memory`` the inner optimizer's state holds every piece's
-state decoded to fp32 (what ``state_dict`` and sharded checkpoints save, so they reshard like any
-fp32 state and load into any ``optimizer_state_dtype``); after it, the state is encoded again
-(exact: a decoded value encodes to itself). A load stores the loaded fp32 state encoded.
+State dicts see fp32: inside ``state_in_memory`` the inner optimizer's state holds every piece's
+state decoded to fp32 (what ``state_dict`` returns, so it loads into any ``optimizer_state_dtype``);
+after it, the state is encoded again (exact: a decoded value encodes to itself). Sharded
+checkpoints write the stored form instead (``stored_state``: int8 codes and scales, or bf16
+values; see [Note: stored optimizer state] in checkpoint/sharded.py). A load stores the loaded
+state, decoded to fp32, encoded again.
 """
 
 from __future__ import annotations
@@ -274,7 +276,10 @@ class LowPrecisionStep(StepBackend):
     # ---- checkpoints and loads -------------------------------------------------------------
 
     @contextlib.contextmanager
-    def state_in_memory(self) -> Iterator[None]:
+    def state_in_memory(self, decoded: bool = True) -> Iterator[None]:
+        if not decoded:  # a checkpoint writes the stored form (``stored_state``) itself
+            yield
+            return
         state = self.stepped.state
         decoded = []
         for key in list(self.encoded):
@@ -289,6 +294,9 @@ class LowPrecisionStep(StepBackend):
                 for name in list(entry):
                     if is_elementwise(entry[name]):
                         self._store_whole(key, name, entry.pop(name))
+
+    def stored_state(self, key: PieceKey) -> dict[str, Encoded]:
+        return self.encoded.get(key, {})
 
     def _take_loaded_state(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Before torch's load casts the state to the stepped tensors' dtype (bf16 masters), keep every
