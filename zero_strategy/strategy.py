@@ -363,10 +363,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
 
     def full_state_dict(self) -> dict[str, Any]:
         """The module's whole state dict, on every rank (a collective at stage 3, gathered unit by unit)."""
-        assert self.lightning_module is not None
-        if self._sharder is None or self.config.stage < 3:  # whole on every rank
-            return super().lightning_module_state_dict()
-        return self._sharder.full_state_dict()
+        return self._engine.full_state_dict()
 
     def save_pretrained(self, save_directory: Any, **options: Any) -> Any:
         """Write the model in the Hugging Face layout (config.json, safetensors shards, their index; a peft
