@@ -133,7 +133,7 @@ def _measure_stage3(rank, world_size):
     resident = sum(p.numel() for g in sharder.resident for p in g.params)
     pieces = sum(len(g.pieces) for g in opt.groups)
     largest_unit = max(g.layout.numel for u in sharder.units for g in u.groups) * 4
-    gathered = [u.name for u in sharder.all_units if u.gathered]
+    gathered = [u.name for u in sharder.all_units if u.has_full_buffers]
     return memory_stats(model, [opt]), trainable, everything, resident, pieces, largest_unit, gathered
 
 
