@@ -44,8 +44,9 @@ stage 3, 344 of 565 at the default limit, 560 with the limit at 64 (raise it for
 [Note: one owner of the flat groups]
 FlatParameters (the sharder) builds every flat group of a model, at every stage (all resident at stages 1 and
 2); a ZeroOptimizer only maps the pieces of the groups holding its parameters (``groups_of``) to its
-param groups, and checkpoints, memory accounting and gathered_parameters read the same groups. A
-plain loop's ZeroOptimizer without a sharder builds one over its own parameters (stages 1-2).
+param groups, and checkpoints, memory accounting and gathered_parameters read the same groups, finding
+their owner from a parameter or a module with ``owner_of`` / ``owners_of``. A plain loop's
+ZeroOptimizer without a sharder builds one over its own parameters (stages 1-2).
 
 See [Note: init-time sharding] in materialize.py for a model built on the meta device.
 """
