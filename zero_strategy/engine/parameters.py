@@ -501,8 +501,8 @@ ParameterSharder = FlatParameters  # its name before issue 28, which other modul
 
 
 def owner_of(param_or_module: Union[nn.Parameter, nn.Module]) -> Optional[FlatParameters]:
-    """The FlatParameters whose flat groups hold a parameter, or the one holding all of a module's
-    (None when the engine holds none of them): the one lookup of a parameter's owner outside it."""
+    """The FlatParameters whose flat groups hold a parameter, or the one holding a module's parameters
+    (None when none holds them; an error when several do): the one lookup of a parameter's owner."""
     if isinstance(param_or_module, nn.Module):
         owners = owners_of(param_or_module)
         if len(owners) > 1:
