@@ -82,7 +82,7 @@ def _train(rank: int, config: ZeroConfig, mode: str) -> dict:
         opt.step()
         losses.append(loss.item())
         if sharder is not None:  # every unit released, none left counted as in use
-            released &= all(not u.gathered and u.users == 0 for u in sharder.units)
+            released &= all(not u.has_full_buffers and u.users == 0 for u in sharder.units)
     state = sharder.full_state_dict() if sharder is not None else {k: v.clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "state": state, "released": released, "keys_unchanged": list(state) == keys,
             "checkpointed": checkpointed_modules(model)}

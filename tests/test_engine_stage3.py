@@ -387,7 +387,7 @@ def test_a_gather_that_fails_in_a_units_pre_forward_leaves_every_unit_releasable
         reference(x).sum().backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    assert [u.users for u in sharder.all_units] == [0] * 5 and not [u for u in sharder.all_units if u.gathered]
+    assert [u.users for u in sharder.all_units] == [0] * 5 and not [u for u in sharder.all_units if u.has_full_buffers]
     full = sharder.full_state_dict()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=1e-6, msg=name)

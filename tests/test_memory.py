@@ -13,6 +13,7 @@ from torch import nn
 from zero_strategy import ZeroConfig, ZeroOptimizer, estimate_memory, memory_stats
 from zero_strategy.engine import shard_module
 from zero_strategy.engine.gradients import MAX_INFLIGHT
+from zero_strategy.engine.parameters import owner_of, owners_of
 
 from .distributed import run_distributed
 from .models import OddMLP, batch
@@ -133,7 +134,7 @@ def _measure_stage3(rank, world_size):
     resident = sum(p.numel() for g in sharder.resident for p in g.params)
     pieces = sum(len(g.pieces) for g in opt.groups)
     largest_unit = max(g.layout.numel for u in sharder.units for g in u.groups) * 4
-    gathered = [u.name for u in sharder.all_units if u.gathered]
+    gathered = [u.name for u in sharder.all_units if u.has_full_buffers]
     return memory_stats(model, [opt]), trainable, everything, resident, pieces, largest_unit, gathered
 
 
@@ -211,3 +212,19 @@ def test_a_dropped_model_and_engine_are_freed(stage, overlap):
     del model, opt, sharder
     gc.collect()
     assert {name: ref() is None for name, ref in refs.items()} == dict.fromkeys(refs, True)
+
+
+def test_owner_of_finds_the_flat_groups_of_a_parameter_or_a_module():
+    """owner_of / owners_of, the one lookup of the flat groups' owner (memory_stats, gathered_parameters
+    and pretrained loading use it): a plain loop's two optimizers each build one."""
+    model = OddMLP()
+    assert owner_of(model) is None and owners_of(model) == []
+    first = ZeroOptimizer(torch.optim.Adam(model.fc1.parameters(), lr=0.01), ZeroConfig(stage=2))
+    assert owner_of(model.fc1.weight) is first.sharder and owner_of(model) is first.sharder
+    assert owner_of(model.fc2.weight) is None and owner_of(model.frozen.weight) is None
+    rest = [p for name, p in model.named_parameters() if p.requires_grad and not name.startswith("fc1.")]
+    second = ZeroOptimizer(torch.optim.Adam(rest, lr=0.01), ZeroConfig(stage=2))
+    assert owners_of(model) == [second.sharder, first.sharder]  # in the parameters' order: model.scale is first
+    assert owner_of(model.head.bias) is second.sharder and owners_of(model.fc1.parameters()) == [first.sharder]
+    with pytest.raises(ValueError, match="held by 2 flat-group owners"):
+        owner_of(model)

@@ -54,11 +54,9 @@ from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessi
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.distributed import ReduceOp, _init_dist_connection, _sync_ddp_if_available
-from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -67,15 +65,15 @@ from .engine import Collectives, ZeroOptimizer
 from .engine.local_accumulation import deferred_reduction
 from .frontend import (EngineModel, WorkingPrecision, add_optimizers, clip_grad_norm, clip_grad_value,
                        load_full_model, move_module, setup_engine)
-from .frontend.job_end import watch_the_job
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
-from .frontend.options import (DeepSpeedConfig, ProcessLayout, barrier, broadcast_object, check_world_size,
-                               engine_arguments, process_group_backend, read_options)
+from .frontend.options import (DeepSpeedConfig, ProcessLayout, barrier, broadcast_object, engine_arguments,
+                               read_options)
 from .frontend.precision import generic_precision_name
 from .frontend.pretrained import save_pretrained
 from .memory import memory_stats
 from .checkpoint.pretrained_files import is_pretrained_path
 from .pretrained import load_pretrained, sharded_init
+from .world import join_world, set_world_ranks
 
 log = logging.getLogger(__name__)
 
@@ -263,24 +261,13 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        self._process_group_backend = process_group_backend(self._process_group_backend, self.root_device)
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self.options.timeout)
-        check_world_size(self.world_size, "Fabric",
-                         f"(num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many processes as "
-                         "Fabric(devices=..., num_nodes=...) asks for (fabric.launch(), torchrun or srun).")
-        self._comm = self._world_collectives()
-        # a rank that fails fails the job: see [Note: a failed rank fails the job] in frontend/job_end.py
-        watch_the_job(lambda: getattr(self._launcher, "procs", []), self.node_rank * self.num_processes + 1,
-                      self.config.collective_timeout)
+        self._process_group_backend, self._comm = join_world(
+            self, self._process_group_backend, self.options.timeout, "Fabric",
+            "Fabric(devices=..., num_nodes=...) asks for (fabric.launch(), torchrun or srun)",
+            lambda: getattr(self._launcher, "procs", []))
 
     def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        set_world_ranks(self)  # see world.py
 
     @property
     def comm(self) -> Collectives:

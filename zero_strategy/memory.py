@@ -18,6 +18,7 @@ import torch
 
 from .checkpoint.background import checkpoint_buffer_bytes
 from .engine import ZeroOptimizer
+from .engine.parameters import owner_of, owners_of
 
 KEYS = ("params", "grads", "optimizer_states", "master_params")
 LOCATIONS = ("device", "host", "disk")
@@ -177,8 +178,8 @@ def count_parameters(module: torch.nn.Module) -> int:
     """Elements of ``module``'s parameters, each once, sharded ones (stage 3) at their full size."""
     total = 0
     for p in dict.fromkeys(module.parameters()):
-        sharder = getattr(p, "_zero_sharder", None)
-        total += sharder.full_numel[p] if sharder is not None else p.numel()
+        owner = owner_of(p)
+        total += owner.full_numel[p] if owner is not None else p.numel()
     return total
 
 
@@ -217,7 +218,7 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
     buffers ``async_save`` keeps between saves (neither in ``total``).
     """
     optimizers = list(optimizers)
-    sharders = dict.fromkeys(s for s in (getattr(p, "_zero_sharder", None) for p in module.parameters()) if s)
+    sharders = owners_of(module)
     zero = [o for o in optimizers if isinstance(o, ZeroOptimizer)]
     count = _StorageCounter([*(t for s in sharders for t in s.host_tensors()),
                              *(t for o in zero for t in o.memory_tensors()["host"])])

@@ -38,6 +38,7 @@ from torch import nn
 from .checkpoint.pretrained_files import PretrainedFiles
 from .engine.deferred_init import record_construction
 from .engine.materialize import group_places, set_buffer_source, set_param_source, write_parameter
+from .engine.parameters import owners_of
 
 PathLike = Union[str, os.PathLike]
 
@@ -75,8 +76,7 @@ def _true_shape(p: torch.Tensor, places: dict) -> tuple[int, ...]:
 
 
 def _places_of(module: nn.Module) -> dict:
-    sharders = {id(s): s for s in (getattr(p, "_zero_sharder", None) for p in module.parameters()) if s is not None}
-    return {p: place for s in sharders.values() for p, place in group_places(s.groups).items()}
+    return {p: place for s in owners_of(module) for p, place in group_places(s.groups).items()}
 
 
 def plan_load(module: nn.Module, files: PretrainedFiles, prefix: str = "", strip: str = "",

@@ -16,9 +16,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -27,7 +26,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from .activation import offload_activations
 from .checkpoint import is_deepspeed_checkpoint, is_sharded_checkpoint
@@ -44,14 +43,13 @@ from .engine.watchdog import install_sigterm_handler
 from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,
                        load_sharded_optimizers, move_module, open_sharded, read_deepspeed, save_sharded_model,
                        setup_engine)
-from .frontend.options import (ProcessLayout, barrier, broadcast_object, check_world_size, engine_arguments,
-                               process_group_backend, read_options)
-from .frontend.job_end import watch_the_job
+from .frontend.options import ProcessLayout, barrier, broadcast_object, engine_arguments, read_options
 from .frontend.pretrained import save_pretrained
 from .frontend.setup import engine_config
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
 from .pretrained import sharded_init
+from .world import join_world, set_world_ranks
 
 _SHARDED = "_zero_sharded_checkpoint"  # a loaded checkpoint's reader, for the load hooks below
 # what Lightning's restore requires of a checkpoint, which one that another front end wrote (Fabric's,
@@ -185,24 +183,12 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         self._setup_distributed()
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        set_world_ranks(self)  # see world.py
 
     def _setup_distributed(self) -> None:
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = process_group_backend(self._process_group_backend, self.root_device)
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        check_world_size(self.world_size, "the Trainer",
-                         f"(num_nodes={self.num_nodes} x devices={self.num_processes}); launch as many processes as "
-                         "Trainer(devices=..., num_nodes=...) asks for.")
-        self._comm = self._world_collectives()
-        # a rank that fails fails the job: see [Note: a failed rank fails the job] in frontend/job_end.py
-        watch_the_job(lambda: getattr(self.launcher, "procs", []), self.node_rank * self.num_processes + 1,
-                      self.config.collective_timeout)
+        self._process_group_backend, self._comm = join_world(
+            self, self._process_group_backend, self._timeout, "the Trainer",
+            "Trainer(devices=..., num_nodes=...) asks for", lambda: getattr(self.launcher, "procs", []))
 
     @property
     def comm(self) -> Collectives:
@@ -363,10 +349,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
 
     def full_state_dict(self) -> dict[str, Any]:
         """The module's whole state dict, on every rank (a collective at stage 3, gathered unit by unit)."""
-        assert self.lightning_module is not None
-        if self._sharder is None or self.config.stage < 3:  # whole on every rank
-            return super().lightning_module_state_dict()
-        return self._sharder.full_state_dict()
+        return self._engine.full_state_dict()
 
     def save_pretrained(self, save_directory: Any, **options: Any) -> Any:
         """Write the model in the Hugging Face layout (config.json, safetensors shards, their index; a peft

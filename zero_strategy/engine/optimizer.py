@@ -10,75 +10,31 @@ of the owned shard instead (see [Note: master copies] in flat.py). The user's op
 monitor see and change the hyperparameters that the inner optimizer uses at every step.
 
 The step itself is the step backend's (see [Note: step backends] in step_backend.py), chosen
-once here, in ``choose_step_backend``.
+once when this is built (``choose_step_backend`` in step_choice.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .. import kernels
 from ..config import ZeroConfig
 from .collectives import Collectives, wait_all
-from .flat import FlatGroup
 from .gradients import make_reducer
-from .layout import Piece
 from .local_accumulation import LocalAccumulation
 from .offload import HOST
-from .optimizer_checks import (ELEMENTWISE_OPTIMIZERS, check_optimizer_supported, check_parameters, check_same_config,
-                               constructor_kwargs)
+from .optimizer_checks import ELEMENTWISE_OPTIMIZERS, check_optimizer_supported, check_parameters, check_same_config
 from .parameters import FlatParameters
 from .scaler import LossScaler
 from .state import consolidate_state, shard_state
-from .step_backend import StepBackend, Stepped
-from .step_cpu_tiles import CpuTilesStep
-from .step_disk import DiskStep
-from .step_fused import FusedStep
+from .step_backend import PieceRef, StepBackend
+from .step_choice import build_step_backend, build_stepped, choose_step_backend
 from .step_grads import StepGradients
-from .step_host import HostTilesStep
-from .step_lowp import LowPrecisionHostStep, LowPrecisionStep
-from .step_overlap import OverlappedStep
-from .step_torch import TorchStep
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "PieceRef", "ZeroOptimizer", "check_optimizer_supported", "choose_step_backend"]
-
-
-def choose_step_backend(config: ZeroConfig, cls: type, device: torch.device) -> type[StepBackend]:
-    """The step backend for ``config`` and an optimizer class on ``device`` (see [Note: step backends])."""
-    if config.offload_overlap:
-        return OverlappedStep
-    if config.offload_dir is not None:
-        return DiskStep
-    if config.low_precision_step:  # see [Note: the low-precision step] in step_lowp.py
-        return LowPrecisionHostStep if config.offload_optimizer else LowPrecisionStep
-    if config.offload_optimizer:
-        return HostTilesStep
-    if kernels.available(torch.empty(0, device=device)):
-        return FusedStep
-    return _torch_backend(cls, device)
-
-
-def _torch_backend(cls: type, device: torch.device) -> type[TorchStep]:
-    """torch's update: in tiles on CPU, for torch's own classes (see [Note: the CPU step in tiles])."""
-    return CpuTilesStep if device.type == "cpu" and cls in ELEMENTWISE_OPTIMIZERS else TorchStep
-
-
-@dataclass(frozen=True)
-class PieceRef:
-    """One piece a ZeroOptimizer steps (see [Note: pieces] in layout.py)."""
-
-    group_index: int  # into ZeroOptimizer.groups
-    group: FlatGroup
-    index: int  # into group.pieces
-    piece: Piece
-    tensor: torch.Tensor  # what the inner optimizer updates: the master, or the working weights
-    param: torch.nn.Parameter
-    param_group: int  # the user's param group
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "PieceRef", "ZeroOptimizer", "check_optimizer_supported"]
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -113,34 +69,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.groups = sharder.groups_of(optimizer)  # see [Note: one owner of the flat groups]
         self._device = self.groups[0].device if self.groups else torch.device("cpu")  # where collectives run
         cls = type(optimizer)
-        backend = choose_step_backend(config, cls, self._device)
-        dtypes = [g.master_shard.dtype for g in self.groups if g.master_shard is not None] if backend.on_host else []
-        user_group_of = {p: gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
-        inner_groups = [backend.group_options(cls, {**user_group, "params": []}, dtypes)
-                        for user_group in optimizer.param_groups]
-        tensors, user_groups = [], []  # per group, the inner optimizer's tensor and param group of each piece
-        for g in self.groups:
-            tensors.append(backend.pieces_of(g))
-            user_groups.append([user_group_of[g.params[piece.param]] for piece in g.pieces])
-            for t, gi in zip(tensors[-1], user_groups[-1]):
-                inner_groups[gi]["params"].append(t)
-        kwargs = backend.options(cls, constructor_kwargs(cls, optimizer.defaults), dtypes)
-        self.inner = cls(inner_groups, **kwargs)
+        backend = choose_step_backend(config, cls, self._device)  # see [Note: step backends]
+        self._stepped = build_stepped(backend, optimizer, self.groups, self._device, self.comm.rank)
+        self.inner = self._stepped.inner
         super().__init__([{"params": g["params"]} for g in optimizer.param_groups], optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
         self.scaler = scaler
         self._step = StepGradients()  # see [Note: state behind LightningOptimizer] in step_grads.py
-        self._stepped = Stepped(self.groups, tensors, user_groups, self.inner, kwargs, self._device, self.comm.rank)
-        me = weakref.proxy(self)  # the gradient hooks hold the backend's listener: it must not keep this alive
-        if backend is FusedStep:
-            self.step_backend: StepBackend = FusedStep(self._stepped, config, me, fallback=_torch_backend(
-                cls, self._device)(self._stepped, config, me))
-        else:
-            self.step_backend = backend(self._stepped, config, me)
+        self.step_backend: StepBackend = build_step_backend(backend, self._stepped, config, weakref.proxy(self))
         weakref.finalize(self, self.step_backend.close)
         self.reducer = make_reducer(self.groups, config.stage, self.comm, sharder.position,
                                     listener=sharder if config.stage == 3 else None,
-                                    host_dtypes=dtypes if backend.on_host else None,
+                                    host_dtypes=self._stepped.master_dtypes() if backend.on_host else None,
                                     host_listener=self.step_backend.segment_listener,
                                     local=LocalAccumulation(self.groups, config.grad_accum_dtype)
                                     if config.local_accumulation and config.stage >= 2 else None)
@@ -177,10 +117,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def pieces(self) -> Iterator[PieceRef]:
         """Every piece this rank steps, with the tensor the inner optimizer updates for it (its state:
         ``piece_state(ref)``)."""
-        for gi, (g, tensors, user_groups) in enumerate(zip(self.groups, self._stepped.tensors,
-                                                           self._stepped.user_group)):
-            for pi, (piece, tensor, user_group) in enumerate(zip(g.pieces, tensors, user_groups)):
-                yield PieceRef(gi, g, pi, piece, tensor, g.params[piece.param], user_group)
+        return self._stepped.pieces()
 
     # ---- local accumulation: see [Note: local accumulation] in local_accumulation.py ---------
 

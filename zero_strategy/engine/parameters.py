@@ -44,8 +44,9 @@ stage 3, 344 of 565 at the default limit, 560 with the limit at 64 (raise it for
 [Note: one owner of the flat groups]
 FlatParameters (the sharder) builds every flat group of a model, at every stage (all resident at stages 1 and
 2); a ZeroOptimizer only maps the pieces of the groups holding its parameters (``groups_of``) to its
-param groups, and checkpoints, memory accounting and gathered_parameters read the same groups. A
-plain loop's ZeroOptimizer without a sharder builds one over its own parameters (stages 1-2).
+param groups, and checkpoints, memory accounting and gathered_parameters read the same groups, finding
+their owner from a parameter or a module with ``owner_of`` / ``owners_of``. A plain loop's
+ZeroOptimizer without a sharder builds one over its own parameters (stages 1-2).
 
 See [Note: init-time sharding] in materialize.py for a model built on the meta device.
 """
@@ -183,7 +184,7 @@ class FlatParameters:
             self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root), always_call=True))
         for g in self.groups:
             for p in g.params:
-                p._zero_sharder = self  # for gathered_parameters(), at every stage (the masters follow edits)
+                p._zero_sharder = self  # read by owner_of(), at every stage
         comm.begin_step()  # the first step's bytes start here: set-up broadcasts are not a step's
 
     def comm_stats(self) -> dict[str, int]:
@@ -499,6 +500,24 @@ class FlatParameters:
 ParameterSharder = FlatParameters  # its name before issue 28, which other modules still import
 
 
+def owner_of(param_or_module: Union[nn.Parameter, nn.Module]) -> Optional[FlatParameters]:
+    """The FlatParameters whose flat groups hold a parameter, or the one holding a module's parameters
+    (None when none holds them; an error when several do): the one lookup of a parameter's owner."""
+    if isinstance(param_or_module, nn.Module):
+        owners = owners_of(param_or_module)
+        if len(owners) > 1:
+            raise ValueError(f"{type(param_or_module).__name__}'s parameters are held by {len(owners)} flat-group "
+                             "owners (one per optimizer of a plain loop); ask for them all with owners_of(module).")
+        return owners[0] if owners else None
+    return getattr(param_or_module, "_zero_sharder", None)
+
+
+def owners_of(params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[FlatParameters]:
+    """The distinct FlatParameters holding ``params`` (a module's parameters), in the parameters' order."""
+    params = params.parameters() if isinstance(params, nn.Module) else params
+    return list(dict.fromkeys(s for s in map(owner_of, params) if s is not None))
+
+
 @contextlib.contextmanager
 def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
                         modifier_rank: Optional[int] = None) -> Iterator[None]:
@@ -509,7 +528,7 @@ def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
     that are whole already (stages 1 and 2, resident ones) are only broadcast when modified.
     """
     params = list(params.parameters() if isinstance(params, nn.Module) else params)
-    sharders = dict.fromkeys(s for s in (getattr(p, "_zero_sharder", None) for p in params) if s is not None)
+    sharders = owners_of(params)
     wanted = set(params)
     units = [(s, u) for s in sharders for u in s.all_units if any(p in wanted for g in u.groups for p in g.params)]
     for s, u in units:

@@ -2,7 +2,7 @@
 
 [Note: step backends]
 The update of a rank's pieces runs in one of seven ways, one class each, in a file of its own,
-chosen once when the ZeroOptimizer is built (``choose_step_backend`` in optimizer.py):
+chosen once when the ZeroOptimizer is built (``choose_step_backend`` in step_choice.py):
 
 - ``TorchStep`` (step_torch.py): the inner optimizer's own step on the pieces' device;
 - ``CpuTilesStep`` (step_cpu_tiles.py): the same on CPU, tile by tile (see [Note: the CPU step in
@@ -37,8 +37,27 @@ import torch
 
 from ..config import ZeroConfig
 from .flat import FlatGroup
+from .layout import Piece
 from .step_grads import StepGradients
 from .tiled_step import Settings
+
+
+def master_dtypes(groups: Sequence[FlatGroup]) -> list[torch.dtype]:
+    """The dtypes of the groups' master shards, of those that have one (the host step's tensors)."""
+    return [g.master_shard.dtype for g in groups if g.master_shard is not None]
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    """One piece a ZeroOptimizer steps (see [Note: pieces] in layout.py), as ``Stepped.pieces`` lists them."""
+
+    group_index: int  # into ZeroOptimizer.groups
+    group: FlatGroup
+    index: int  # into group.pieces
+    piece: Piece
+    tensor: torch.Tensor  # what the inner optimizer updates: the master, or the working weights
+    param: torch.nn.Parameter
+    param_group: int  # the user's param group
 
 
 @dataclass
@@ -71,6 +90,15 @@ class Stepped:
         """One stepped tensor's state: the inner optimizer's own entry, or ``{}`` (not stored) before
         its first step; to add an entry, write ``state[tensor]``."""
         return self.inner.state.get(tensor, {})
+
+    def master_dtypes(self) -> list[torch.dtype]:
+        return master_dtypes(self.groups)
+
+    def pieces(self) -> Iterator[PieceRef]:
+        """Every piece stepped, with the tensor the inner optimizer updates for it."""
+        for gi, (g, tensors, user_groups) in enumerate(zip(self.groups, self.tensors, self.user_group)):
+            for pi, (piece, tensor, user_group) in enumerate(zip(g.pieces, tensors, user_groups)):
+                yield PieceRef(gi, g, pi, piece, tensor, g.params[piece.param], user_group)
 
     def offsets(self) -> list[list[int]]:
         """Per group, each piece's first element in this rank's shard."""

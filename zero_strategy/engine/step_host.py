@@ -37,7 +37,7 @@ class HostTilesStep(StepBackend):
         super().__init__(stepped, config, owner)
         self.tile_numel = max(1, int(config.offload_tile_mb * 2**20) // 4)  # MiB of fp32 master weights
         self.tiles = plan_tiles(stepped.shard_ranges(), self.tile_numel, split_pieces=False)
-        self.dtypes = [g.master_shard.dtype for g in stepped.groups if g.master_shard is not None]
+        self.dtypes = stepped.master_dtypes()
 
     @classmethod
     def options(cls, optimizer_cls: type, kwargs: dict[str, Any], dtypes: Sequence[torch.dtype]) -> dict[str, Any]:

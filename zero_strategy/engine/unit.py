@@ -163,8 +163,8 @@ class Unit:
         return any(not p.requires_grad for g in self.groups for p in g.params)
 
     @property
-    def gathered(self) -> bool:
-        """Whether the full buffers exist (all-gathers may still be in flight)."""
+    def has_full_buffers(self) -> bool:
+        """Whether the full buffers exist: gathered, or still gathering (all-gathers in flight)."""
         return self.state is not UnitState.RELEASED
 
     @property
