@@ -457,7 +457,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
                 opt.remove_hooks()
         super().teardown()  # at stage 3 the model stays sharded, ready for test or predict
         if saver is not None:
-            saver.close()  # the end of training waits for the last save, and raises what it failed with  # at stage 3 the model stays sharded, ready for test or predict
+            saver.close()  # the end of training waits for the last save, and raises what it failed with
 
     # ---- collectives Lightning uses (logging with sync_dist, metrics, callbacks) -------------
 

@@ -123,10 +123,6 @@ class FlatGroup:
         return self.layout.segments
 
     @property
-    def gathered(self) -> bool:
-        return self.buffer is not None
-
-    @property
     def has_master_copy(self) -> bool:
         """Whether the optimizer steps a separate master (to be written back into the weights)."""
         return self.master_shard is not None and self.master_shard is not getattr(self, "shard", None)
