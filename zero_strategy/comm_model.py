@@ -15,6 +15,10 @@ the meta device) and lists the collectives of one training step:
 - the step: one all-reduce of a byte per trainable parameter (which got a gradient), one of the
   overflow flag (fp16 loss scaling), one of the clipping norm (8 bytes), then the all-gathers of
   the parameters kept whole (every one at stages 1-2; the small, resident ones at stage 3).
+- with ``shard_group_size=K`` (hybrid sharding: [Note: hybrid sharding] in engine/hybrid.py) the
+  groups are planned for K ranks, and every all-gather, reduce-scatter, the overflow flag and the
+  norm run over the shard group of K; each reduce-scatter is followed by an all-reduce of its
+  shard across the N/K replicas, and only the gradient mask stays over all N.
 
 Each is costed by engine/comm_volume.py's ``sent_bytes`` (see [Note: bytes sent] there) and filed
 as intra- or inter-node by its group, as the engine's counter files it, so a real run's
@@ -39,6 +43,7 @@ from .config import ZeroConfig
 from .engine.collective_header import HEADER_BYTES
 from .engine.comm_volume import CommCounter, NodeLayout, sent_bytes
 from .engine.flat import _ONE_SEGMENT
+from .engine.hybrid import resolve_shard_group_size
 from .engine.layout import GroupLayout, align_elements, plan_group
 from .engine.parameters import split_groups
 from .engine.quantize import QuantSpec, packed_row_bytes
@@ -96,11 +101,17 @@ class _Group:
 
 
 class _Step:
-    """The collectives of one step, counted as the engine's counter counts them."""
+    """The collectives of one step, counted as the engine's counter counts them. ``shards`` is the
+    number of ranks the flat groups are sharded over: the world's, or a shard group's under hybrid
+    sharding, whose shards are then all-reduced over ``world_size / shards`` replicas (see [Note:
+    hybrid sharding] in engine/hybrid.py); intra- or inter-node is rank 0's groups'."""
 
-    def __init__(self, nodes: NodeLayout) -> None:
+    def __init__(self, nodes: NodeLayout, shards: int) -> None:
         self.nodes = nodes
+        self.shards = shards
         self.world_inter = nodes.num_nodes > 1
+        self.shard_inter = nodes.spans_nodes(list(range(shards)))
+        self.replica_inter = nodes.spans_nodes(list(range(0, nodes.world_size, shards)))
         self.counter = CommCounter()
         self.phases = {phase: CommCounter() for phase in PHASES}
         self.phase = "forward"
@@ -112,30 +123,37 @@ class _Step:
 
     def gather(self, group: _Group, quantize: Optional[QuantSpec], over: int, inter_node: bool,
                header: bool) -> None:
-        """One group's all-gathers over ``over`` ranks (the world's, or a secondary group's); ``header``:
-        each carries the order guard's (see [Note: the collective header])."""
-        n = self.nodes.world_size
+        """One group's all-gathers over ``over`` ranks (the shard group's, or a secondary group's);
+        ``header``: each carries the order guard's (see [Note: the collective header])."""
         for seg in group.layout.segments:
-            out = n * packed_row_bytes(seg.shard_numel, quantize) if quantize else seg.numel * group.element_size
+            out = self.shards * packed_row_bytes(seg.shard_numel, quantize) if quantize \
+                else seg.numel * group.element_size
             out += over * HEADER_BYTES if header else 0
             self.add("all_gather", "all_gather", out, over, inter_node)
 
     def reduce(self, group: _Group, quantize: Optional[QuantSpec]) -> None:
-        n = self.nodes.world_size
+        n = self.shards
         per_node, nodes = self.nodes.ranks_per_node, self.nodes.num_nodes
+        hierarchical = n == self.nodes.world_size and per_node > 1 and nodes > 1  # the world's group only
         for seg in group.layout.segments:
             shard = seg.shard_numel
             if quantize is None:
-                self.add("reduce_scatter", "reduce_scatter", seg.numel * group.element_size, n, self.world_inter)
-            elif per_node > 1 and nodes > 1:  # two hops: see [Note: quantized reduce-scatter]
+                self.add("reduce_scatter", "reduce_scatter", seg.numel * group.element_size, n, self.shard_inter)
+            elif hierarchical:  # two hops: see [Note: quantized reduce-scatter]
                 self.add("reduce_scatter", "all_to_all", per_node * packed_row_bytes(nodes * shard, quantize),
                          per_node, False)
                 self.add("reduce_scatter", "all_to_all", nodes * packed_row_bytes(shard, quantize), nodes, True)
             else:
-                self.add("reduce_scatter", "all_to_all", n * packed_row_bytes(shard, quantize), n, self.world_inter)
+                self.add("reduce_scatter", "all_to_all", n * packed_row_bytes(shard, quantize), n, self.shard_inter)
+            replicas = self.nodes.world_size // n
+            if replicas > 1:  # the shard, summed across the shard groups
+                self.add("all_reduce", "all_reduce", shard * group.element_size, replicas, self.replica_inter)
 
     def world_collective(self, kind: str, nbytes: int) -> None:
         self.add(kind, kind, nbytes, self.nodes.world_size, self.world_inter)
+
+    def shard_collective(self, kind: str, nbytes: int) -> None:
+        self.add(kind, kind, nbytes, self.shards, self.shard_inter)
 
 
 def _groups(params: Sequence[nn.Parameter], config: ZeroConfig, world_size: int, element_size: Optional[int],
@@ -165,21 +183,22 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps={accumulation_steps!r} must be a positive integer")
     nodes = NodeLayout(world_size, ranks_per_node if ranks_per_node is not None else world_size)
+    shards = resolve_shard_group_size(config.shard_group_size, world_size, nodes.ranks_per_node) or world_size
     element_size = torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
     params = list(dict.fromkeys(module.parameters()))
-    step = _Step(nodes)
+    step = _Step(nodes, shards)
     grads_q, weights_q = config.gradient_quantization, config.weight_quantization
     if config.stage == 3:
         first = element_size or params[0].element_size()
         plan = plan_units(module, config.shard_modules, config.param_persistence_threshold,
                           config.bucket_numel(first), config.unit_params)
-        units = [_groups(u.params, config, world_size, element_size, False) for u in plan.units]
-        root = _groups(plan.root, config, world_size, element_size, False)
-        resident = _groups(plan.resident, config, world_size, element_size, True)
+        units = [_groups(u.params, config, shards, element_size, False) for u in plan.units]
+        root = _groups(plan.root, config, shards, element_size, False)
+        resident = _groups(plan.resident, config, shards, element_size, True)
     else:
         units, root = [], []
-        resident = _groups([p for p in params if p.requires_grad], config, world_size, element_size, False)
-    guard = config.stage == 3 and config.check_unit_order and order_checked and world_size > 1
+        resident = _groups([p for p in params if p.requires_grad], config, shards, element_size, False)
+    guard = config.stage == 3 and config.check_unit_order and order_checked and shards > 1
     secondary = config.secondary_partition_size
     secondary_inter = secondary is not None and nodes.spans_nodes(list(range(secondary)))
     trainable = [g for g in [*(g for u in units for g in u), *root, *resident] if g.trainable]
@@ -189,14 +208,14 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
         if config.stage == 3:
             for unit in [root, *units]:  # the root first: its pre-forward hook runs before any unit's
                 for g in unit:
-                    step.gather(g, weights_q, world_size, step.world_inter, guard)
+                    step.gather(g, weights_q, shards, step.shard_inter, guard)
         step.phase = "backward"
         for unit in reversed(units):
             for g in unit:
                 if secondary is not None:
                     step.gather(g, weights_q, secondary, secondary_inter, guard)
                 else:
-                    step.gather(g, weights_q, world_size, step.world_inter, guard)
+                    step.gather(g, weights_q, shards, step.shard_inter, guard)
         if config.stage >= 2 and (not config.local_accumulation or micro == accumulation_steps - 1):
             for g in trainable:  # local accumulation: once, at the boundary (see engine/local_accumulation.py)
                 step.reduce(g, grads_q)
@@ -207,14 +226,14 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     flags = sum(len(g.layout.numels) for g in trainable)
     if flags:
         step.world_collective("all_reduce", flags)  # which parameters got a gradient, one byte each
-    if loss_scaling:
-        step.world_collective("all_reduce", 1)  # the overflow flag
+    if loss_scaling:  # over the shard group: the replicas hold the same reduced shards
+        step.shard_collective("all_reduce", 1)  # the overflow flag
     if clipping:
-        step.world_collective("all_reduce", 8)  # the squared norm, float64
+        step.shard_collective("all_reduce", 8)  # the squared norm, float64
     for g in resident:
         if g.trainable:
             for seg in g.layout.segments:
-                step.world_collective("all_gather", seg.numel * g.element_size)
+                step.shard_collective("all_gather", seg.numel * g.element_size)
     if by_phase:
         return {phase: c.current for phase, c in step.phases.items()}
     return step.counter.current

@@ -205,6 +205,28 @@ class ZeroConfig:
     Without local_accumulation gradients accumulate in their reduced shard, in the working dtype,
     whatever this says. DeepSpeed's ``data_types.grad_accum_dtype`` maps onto it."""
 
+    # ---- hybrid sharding (issue 32): see [Note: hybrid sharding] in engine/hybrid.py
+    shard_group_size: Union[int, str, None] = None
+    """HSDP (DeepSpeed's MiCS): shard over groups of this many consecutive ranks and replicate over
+    the world size / K groups, an int K dividing the world size or "node" (the ranks of one node).
+    Gradients are reduce-scattered within the group, then their shards all-reduced across the
+    groups; parameters are all-gathered within the group only. Memory per rank follows the ZeRO
+    formula with K in place of the world size. None (the default): shard over all ranks."""
+
+    def _check_shard_group_size(self) -> None:
+        size = self.shard_group_size
+        if size is None or size == "node":
+            pass
+        elif type(size) is not int or size < 1:
+            raise ValueError(f"shard_group_size={size!r} must be a positive integer dividing the world size, \"node\" "
+                             "(the ranks of one node), or None to shard over all ranks.")
+        if size is not None and self.secondary_partition_size is not None:
+            raise ValueError(f"shard_group_size={size!r} with secondary_partition_size="
+                             f"{self.secondary_partition_size}: hpZ keeps a secondary shard so that backward gathers "
+                             "stay inside a node, which shard groups within a node already do, and a secondary "
+                             "partition inside a shard group is not built. Drop secondary_partition_size, or "
+                             "shard_group_size.")
+
     def _check_local_accumulation(self) -> None:
         if not isinstance(self.local_accumulation, bool):
             raise ValueError(f"local_accumulation={self.local_accumulation!r} must be True or False.")
@@ -271,6 +293,7 @@ class ZeroConfig:
         self._check_communication_options()
         self._check_low_precision_options()
         self._check_local_accumulation()
+        self._check_shard_group_size()
 
     def _check_low_precision_options(self) -> None:
         states = ("fp32", "bf16", "int8")

@@ -197,6 +197,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         optimizer_state_min_numel: int = 4096,
         local_accumulation: bool = False,
         grad_accum_dtype: str = "fp32",
+        shard_group_size: Union[int, str, None] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

@@ -126,6 +126,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         optimizer_state_min_numel: int = 4096,
         local_accumulation: bool = False,
         grad_accum_dtype: str = "fp32",
+        shard_group_size: Union[int, str, None] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

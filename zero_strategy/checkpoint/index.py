@@ -28,8 +28,9 @@ def _shown(value: Any) -> str:
 
 def validate_index(index: Any, where: Path) -> None:
     """Raise a ``CheckpointError`` naming the field and its value unless every field the reader uses
-    is well formed: format, world_size, files (names, byte sizes, checksums), trainer_state, and each
-    tensor's shape, dtype and parts (a known file, a string key, a range inside the tensor)."""
+    is well formed: format, world_size, shard_group_size, files (names, byte sizes, checksums),
+    trainer_state, and each tensor's shape, dtype and parts (a known file, a string key, a range
+    inside the tensor)."""
 
     def bad(field: str, value: Any, expected: str) -> CheckpointError:
         return CheckpointError(f"{where}: {field} is {_shown(value)}, expected {expected}. The index is damaged or "
@@ -43,6 +44,10 @@ def validate_index(index: Any, where: Path) -> None:
     world_size = index.get("world_size")
     if not _is_count(world_size) or world_size < 1:
         raise bad("world_size", world_size, "a positive integer")
+    shard_group_size = index.get("shard_group_size")  # hybrid sharding's K; absent before it existed
+    if shard_group_size is not None and (not _is_count(shard_group_size) or shard_group_size < 1
+                                         or world_size % shard_group_size):
+        raise bad("shard_group_size", shard_group_size, f"null or a positive divisor of world_size {world_size}")
     algorithm = index.get("checksum")
     if algorithm not in (None, CHECKSUM):
         raise bad("checksum", algorithm, f"{CHECKSUM!r} (or no such field, in a checkpoint of an earlier version)")

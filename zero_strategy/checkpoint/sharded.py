@@ -37,6 +37,7 @@ from torch import nn
 from ..engine.collectives import Collectives
 from ..engine.lowp import Int8State
 from ..engine.flat import FlatGroup
+from ..engine.hybrid import HybridGroups
 from ..engine.optimizer import ZeroOptimizer
 from ..engine.parameters import ParameterSharder
 from ..engine.state import is_elementwise
@@ -69,6 +70,26 @@ def flat_groups(optimizers: Sequence[ZeroOptimizer], sharder: Optional[Parameter
     return [g for owner in owners for g in owner.groups]
 
 
+def _hybrid(optimizers: Sequence[ZeroOptimizer], sharder: Optional[ParameterSharder]) -> Optional[HybridGroups]:
+    """The owner of the flat groups' hybrid sharding (see [Note: hybrid sharding] in engine/hybrid.py),
+    None without it: one owner's, as every owner is built from the same config."""
+    owners = [sharder] if sharder is not None else [o.sharder for o in optimizers]
+    return next((o.hybrid for o in owners if o.hybrid is not None), None)
+
+
+def shard_group_size(optimizers: Sequence[ZeroOptimizer], sharder: Optional[ParameterSharder]) -> Optional[int]:
+    """K of hybrid sharding, None without it."""
+    hybrid = _hybrid(optimizers, sharder)
+    return hybrid.mesh.shard_size if hybrid is not None else None
+
+
+def writes_shards(optimizers: Sequence[ZeroOptimizer], sharder: Optional[ParameterSharder]) -> bool:
+    """Whether this rank writes its pieces: with hybrid sharding only the first shard group does (the
+    others hold the same pieces), so a checkpoint is written once, not once per replica."""
+    hybrid = _hybrid(optimizers, sharder)
+    return hybrid is None or hybrid.replica == 0
+
+
 # ---- save ----------------------------------------------------------------------------------
 
 
@@ -98,13 +119,14 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
         writer.add(name, values, start)
 
     grouped: set[nn.Parameter] = set()
+    mine = writes_shards(optimizers, sharder)  # see [Note: hybrid sharding] in engine/hybrid.py
     for g in flat_groups(optimizers, sharder):
         grouped.update(g.params)
         for i, (p, shape) in enumerate(zip(g.params, g.shapes)):
             record.specs[MODEL + names[p]] = (list(shape), str(g.dtype).removeprefix("torch."))
             if g.master_shard is not None:
                 record.specs[MASTER + names[p]] = (list(shape), str(g.master_shard.dtype).removeprefix("torch."))
-        for piece in g.pieces:
+        for piece in g.pieces if mine else ():
             p, shape = g.params[piece.param], g.shapes[piece.param]
             add(MODEL + names[p], g.weights(piece), piece.param_start, shape)
             if g.master_shard is not None:
@@ -127,7 +149,7 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
                 tensors[name].append(key)
 
         with zopt.materialized_state(decoded=False):  # state offloaded to disk is read back for this
-            for ref in zopt.pieces():
+            for ref in zopt.pieces() if mine else ():
                 name, start, shape = names[ref.param], ref.piece.param_start, ref.group.shapes[ref.piece.param]
                 for key, value in zopt.piece_state(ref).items():
                     if is_elementwise(value):
@@ -211,6 +233,7 @@ class _Snapshot:
     record: _RankRecord
     stage: int
     checksums: bool
+    shard_group_size: Optional[int] = None  # hybrid sharding's K: the layout that wrote it
 
     def write(self, comm: Collectives) -> None:
         """Write the rank file, agree over ``comm`` that every rank did, and commit (rank 0). A collective
@@ -254,6 +277,7 @@ def _snapshot(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimiz
               buffers: Optional[dict[str, torch.Tensor]]) -> _Snapshot:
     """The foreground part of a save: the partial directory made, and this rank's tensors copied out."""
     with_optimizers = "optimizer_states" in checkpoint
+    layout = shard_group_size(optimizers, sharder)
     optimizers = list(optimizers) if with_optimizers else []
     status = ""
     if comm.rank == 0:
@@ -285,7 +309,7 @@ def _snapshot(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimiz
     export_plan = hf_record(module)  # what zero-consolidate --hf writes: see checkpoint/hf_plan.py
     if export_plan is not None:
         state["zero_checkpoint"]["hf_export"] = copy.deepcopy(export_plan) if buffers is not None else export_plan
-    return _Snapshot(path, state, with_optimizers, param_groups, writer, record, stage, checksums)
+    return _Snapshot(path, state, with_optimizers, param_groups, writer, record, stage, checksums, layout)
 
 
 def _finish(snapshot: _Snapshot, records: list[_RankRecord]) -> None:
@@ -304,6 +328,7 @@ def _finish(snapshot: _Snapshot, records: list[_RankRecord]) -> None:
     }
     trainer_state = store.write_trainer_state(tmp, state)
     index = {"format": store.FORMAT, "world_size": len(records), "stage": snapshot.stage,
+             "shard_group_size": snapshot.shard_group_size,
              "files": {rec.file: {"bytes": rec.bytes} for rec in records}, "tensors": tensors}
     if snapshot.checksums:  # see [Note: checksums]
         for rec in records:

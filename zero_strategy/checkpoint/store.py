@@ -8,8 +8,9 @@ the rank files. The engine side (``sharded.py``) decides what the names are.
 A checkpoint is a directory (Lightning's ``*.ckpt`` name, as DeepSpeed's are)::
 
     index.json               rank 0: every tensor's full shape and dtype, and which file holds
-                             which range of it; the files' sizes and checksums; the world size
-                             and stage
+                             which range of it; the files' sizes and checksums; the world size,
+                             stage and shard group size (hybrid sharding: only the first shard
+                             group writes pieces, the other ranks' files are empty)
     trainer_state.pt         rank 0: Lightning's loops, callbacks, schedulers, loss scale,
                              hyper-parameters, and the optimizers' non-tensor state, loaded
                              with torch.load(weights_only=True): never arbitrary unpickling
@@ -291,6 +292,11 @@ class CheckpointReader:
     @property
     def world_size(self) -> int:
         return int(self.index["world_size"])
+
+    @property
+    def shard_group_size(self) -> Optional[int]:
+        """Hybrid sharding's K in the run that wrote it (None: sharded over all its ranks)."""
+        return self.index.get("shard_group_size")
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

@@ -127,7 +127,8 @@ MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section (""
                                     "allgather_bucket_size", "stage3_param_persistence_threshold",
                                     "stage3_prefetch_bucket_size", "sub_group_size", "zero_quantized_weights",
                                     "zero_hpz_partition_size", "zero_quantized_gradients",
-                                    "local_accumulation"}),  # this package's own: see read_accumulation
+                                    "local_accumulation", "mics_shard_size"}),  # local_accumulation: this
+                                    # package's own, see read_accumulation; mics_shard_size: read_zero_plus_plus
     "zero_optimization.offload_optimizer": frozenset({"device", "nvme_path", "pin_memory", "super_offload"}),
     "zero_optimization.offload_param": frozenset({"device", "nvme_path", "pin_memory"}),
     "activation_checkpointing": frozenset({"cpu_checkpointing"}),
@@ -238,7 +239,10 @@ RULES: dict[str, Rule] = {
                                                                    "covers all of them when set); set it false"),
     "zero_optimization.zenflow": _refused("ZenFlow's stale-gradient updates are not supported; remove it"),
     **{f"zero_optimization.{key}": _refused(_REMOVED) for key in (
-        "mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")},
+        "zeropp_loco_param",)},
+    "zero_optimization.mics_hierarchical_params_gather": _harmless(
+        "with mics_shard_size, parameters are all-gathered within the shard group here, inside a node when it "
+        "is one"),
     **{f"zero_optimization.offload_optimizer.{key}": _harmless("NVMe/CPU offload tuning of DeepSpeed's; " + _SPEED)
        for key in ("buffer_count", "pipeline_read", "pipeline_write", "fast_init", "cpuadam_cores_perc")},
     "zero_optimization.offload_optimizer.ratio": _only(1.0, "1.0: all of it", "partial offload is not supported: "
@@ -354,7 +358,9 @@ def read_zero_plus_plus(zero: Mapping, stage: int, findings: Findings) -> dict[s
     ``zero_quantized_weights`` is ``quantized_weights`` (int8, stage 3); ``zero_hpz_partition_size``
     above 1 is ``secondary_partition_size`` (stage 3; 1, DeepSpeed's default, is none);
     ``zero_quantized_gradients`` is ``quantized_gradients="int4"``, the width ZeRO++ sends gradients
-    in. A stage-3 key at another stage is a problem in ``findings``, as DeepSpeed ignores it there.
+    in. MiCS's ``mics_shard_size`` is ``shard_group_size`` (hybrid sharding: see [Note: hybrid
+    sharding] in engine/hybrid.py). A stage-3 key at another stage is a problem in ``findings``, as
+    DeepSpeed ignores it there.
     """
     kwargs: dict[str, Any] = {}
     path = "zero_optimization."
@@ -371,6 +377,17 @@ def read_zero_plus_plus(zero: Mapping, stage: int, findings: Findings) -> dict[s
                                      "holds stage 3's gathered parameters; set stage 3, or set it to 1")
         else:
             kwargs["secondary_partition_size"] = size
+    mics = zero.get("mics_shard_size", -1)  # DeepSpeed's default, -1: off
+    if mics != -1:
+        size = read_integer(mics, path + "mics_shard_size", 1)
+        if stage != 3:
+            findings.problems.append(f"{path}mics_shard_size={size} at stage {stage}: DeepSpeed's MiCS shards stage "
+                                     "3's parameters; set stage 3, or remove it (ZeroStrategy(shard_group_size=...) "
+                                     "offers hybrid sharding at stages 1 and 2)")
+        else:
+            kwargs["shard_group_size"] = size
+            findings.notes.append(f"{path}mics_shard_size={size} read as shard_group_size={size} (hybrid sharding): "
+                                  f"stage 3 within groups of {size} ranks, replicated across them")
     if read_flag(zero.get("zero_quantized_gradients", False), path + "zero_quantized_gradients"):
         kwargs["quantized_gradients"] = "int4"
         findings.notes.append(f"{path}zero_quantized_gradients=true read as quantized_gradients=\"int4\" (ZeRO++'s "
@@ -388,15 +405,15 @@ def read_bf16_low_precision(config: Mapping, precision: Optional[str], findings:
     bf16 masters are updated with stochastic rounding here (``stochastic_rounding=False``: to nearest)."""
     section = config.get("bf16") or {}
     kwargs: dict[str, Any] = {}
-    for key, field in (("bf16_master_weights_and_grads", "master_weights_dtype"),
-                       ("bf16_optimizer_states", "optimizer_state_dtype")):
+    for key, setting in (("bf16_master_weights_and_grads", "master_weights_dtype"),
+                         ("bf16_optimizer_states", "optimizer_state_dtype")):
         if not read_flag(section.get(key, False), f"bf16.{key}"):
             continue
         if precision != "bf16-mixed":
             findings.problems.append(f"bf16.{key}: needs bf16.enabled=true (bf16 working weights); enable bf16, or "
                                      "remove the key")
             continue
-        kwargs[field] = "bf16"
+        kwargs[setting] = "bf16"
     if "master_weights_dtype" in kwargs:
         findings.notes.append("bf16.bf16_master_weights_and_grads: the bf16 weights are their own master "
                               "(master_weights_dtype=\"bf16\"), updated with stochastic rounding; pass "

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .collectives import Collectives, Pending, after
 from .flat import FlatGroup
+from .hybrid import HybridGroups
 from .layout import Piece
 from .local_accumulation import LocalAccumulation
 from .offload import host_empty, wait_for_copies
@@ -82,9 +83,13 @@ class GradientReducer:
     optimizer offload (see [Note: gradients to the host])."""
 
     def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
-                 host_dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None, hybrid: Optional[HybridGroups] = None) -> None:
         self.groups = list(groups)
-        self.comm = comm
+        self.comm = comm  # the shard group
+        # with hybrid sharding, the shards are all-reduced across the replicas: see [Note: hybrid sharding]
+        self.replicas = hybrid.replicate if hybrid is not None else None
+        self.average_over = comm.world_size * (self.replicas.world_size if self.replicas is not None else 1)
+        self.world = hybrid.world if hybrid is not None else comm  # every rank
         # host_grads[gi]: the shard the step reads, in host memory (offload), or None
         self.host_grads: list[Optional[torch.Tensor]] = [
             host_empty(g.layout.shard_numel, dt, g.device).zero_() for g, dt in zip(self.groups, host_dtypes)
@@ -111,11 +116,17 @@ class GradientReducer:
         reducer's generator (see [Note: stochastic rounding] in quantize.py)."""
         spec = self.groups[gi].reduce_quantization
         if spec is not None:
-            return self.comm.quantized_reduce_scatter(output, input, spec, what, noise=self._rounding)
-        if not self.comm.reduce_scatter_needs_scratch:
-            return self.comm.reduce_scatter(output, input, what)
-        scratch = self._pool.take(input.numel(), input.dtype, input.device)  # see [Note: reduce-scatter on gloo]
-        return after(self.comm.reduce_scatter(output, input, what, scratch), lambda: self._pool.give(scratch))
+            pending = self.comm.quantized_reduce_scatter(output, input, spec, what, noise=self._rounding)
+        elif not self.comm.reduce_scatter_needs_scratch:
+            pending = self.comm.reduce_scatter(output, input, what)
+        else:
+            scratch = self._pool.take(input.numel(), input.dtype, input.device)  # see [Note: reduce-scatter on gloo]
+            pending = after(self.comm.reduce_scatter(output, input, what, scratch), lambda: self._pool.give(scratch))
+        if self.replicas is None:
+            return pending
+        replicas = self.replicas  # the shard, summed over the shard groups: see [Note: hybrid sharding]
+        return after(pending, lambda: replicas.all_reduce(output, what=lambda: f"all-reduce across the shard groups "
+                                                                               f"of the {what()}"))
 
     def _describe(self, gi: int, si: int) -> str:
         seg = self.groups[gi].segments[si]
@@ -136,7 +147,7 @@ class GradientReducer:
         if not flags:
             return []
         mask = torch.tensor(flags, dtype=torch.uint8, device=self.groups[0].device)
-        self.comm.all_reduce(mask, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters got gradients")
+        self.world.all_reduce(mask, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters got gradients")
         values, out = mask.tolist(), []
         for per_group in self.received:
             out.append([bool(v) for v in values[: len(per_group)]])
@@ -170,8 +181,8 @@ class FullGradientReducer(GradientReducer):
     each segment in place."""
 
     def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
-                 host_dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
-        super().__init__(groups, comm, position, host_dtypes)
+                 host_dtypes: Optional[Sequence[torch.dtype]] = None, hybrid: Optional[HybridGroups] = None) -> None:
+        super().__init__(groups, comm, position, host_dtypes, hybrid)
         self.grad_buffers = [torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device) for g in self.groups]
         self._grad_views = [g.param_views(b) for g, b in zip(self.groups, self.grad_buffers)]
         self._reduced = False  # reduce() already ran for the current gradients
@@ -198,8 +209,8 @@ class FullGradientReducer(GradientReducer):
             group = self.groups[gi]
             seg = group.segments[si]
             full = group.segment_of(self.grad_buffers[gi], seg)
-            if self.comm.world_size > 1:
-                full.div_(self.comm.world_size)
+            if self.average_over > 1:
+                full.div_(self.average_over)
             inflight.append((gi, si, self._reduce_scatter(gi, group.own_shard_of(self.grad_buffers[gi], seg), full,
                                                           functools.partial(self._describe, gi, si))))
             while inflight and (len(inflight) > MAX_INFLIGHT or n == len(self.order) - 1):
@@ -243,8 +254,8 @@ class ShardedGradientReducer(GradientReducer):
 
     def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
                  host_dtypes: Optional[Sequence[torch.dtype]] = None, listener=None, host_listener=None,
-                 local: Optional[LocalAccumulation] = None) -> None:
-        super().__init__(groups, comm, position, host_dtypes)
+                 local: Optional[LocalAccumulation] = None, hybrid: Optional[HybridGroups] = None) -> None:
+        super().__init__(groups, comm, position, host_dtypes, hybrid)
         self.local = local  # local_accumulation: see [Note: local accumulation] in local_accumulation.py
         self.listener = listener
         self.host_listener = host_listener
@@ -299,7 +310,7 @@ class ShardedGradientReducer(GradientReducer):
             self._staged.setdefault(key, set())
         offset = group.layout.param_offsets[i] - seg.start
         dst = staging[offset : offset + grad.numel()]
-        flat, n = grad.reshape(-1), self.comm.world_size  # average as DDP does: divide, then sum
+        flat, n = grad.reshape(-1), self.average_over  # average as DDP does: divide, then sum
         if i in self._staged[key]:  # a second gradient for it in this backward: a/n + b/n, equal to
             dst.add_(flat / n)  # (a + b)/n for n a power of 2
         else:
@@ -356,7 +367,7 @@ class ShardedGradientReducer(GradientReducer):
             buffer = self._take_staging(group, seg.numel)
         staging = buffer[: seg.numel]
         if not accumulate and self.local is not None and self.local.take_segment(gi, seg, staging,
-                                                                                  self.comm.world_size):
+                                                                                  self.average_over):
             staged = set(seg.params)  # the whole segment comes from the local buffer
         # A reused buffer holds earlier values: zero what no gradient overwrote (alignment gaps
         # between parameters land in padding that no piece reads).
@@ -412,11 +423,11 @@ class ShardedGradientReducer(GradientReducer):
 def make_reducer(groups: Sequence[FlatGroup], stage: int, comm: Collectives,
                  position: Mapping[torch.nn.Parameter, int], listener=None,
                  host_dtypes: Optional[Sequence[torch.dtype]] = None, host_listener=None,
-                 local: Optional[LocalAccumulation] = None) -> GradientReducer:
+                 local: Optional[LocalAccumulation] = None, hybrid: Optional[HybridGroups] = None) -> GradientReducer:
     """Stage 1's reducer (full gradients, reduced before the step) or stages 2-3's (sharded, during
     backward; at stage 3 unit by unit, telling ``listener`` the sharder; ``host_listener``: see
     ShardedGradientReducer)."""
     if stage == 1:
         assert host_listener is None, "stage 1 reduces gradients only at the step"
-        return FullGradientReducer(groups, comm, position, host_dtypes)
-    return ShardedGradientReducer(groups, comm, position, host_dtypes, listener, host_listener, local)
+        return FullGradientReducer(groups, comm, position, host_dtypes, hybrid)
+    return ShardedGradientReducer(groups, comm, position, host_dtypes, listener, host_listener, local, hybrid)

@@ -159,6 +159,12 @@ class Join:
                              "accumulation] in engine/local_accumulation.py), so the ranks' reduce-scatters would "
                              "not pair up. Use local_accumulation=False inside Join, or give every rank the same "
                              "number of batches.")
+        if enable and any(_zero_optimizer(obj).sharder.hybrid is not None for obj, _ in self.steppers):
+            raise ValueError(f"Join with shard_group_size={zero.config.shard_group_size!r}: a joined rank replays "
+                             "the others' collectives over one process group, and hybrid sharding runs them over "
+                             "two (the shard group and the replicas), which Join does not replay. Give every rank "
+                             "the same number of batches (drop uneven inputs), or shard over all ranks "
+                             "(shard_group_size=None) inside Join.")
         self.comm: Collectives = zero.comm
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.comm.backend == "nccl"
                        else torch.device("cpu"))

@@ -83,7 +83,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                     host_dtypes=self._stepped.master_dtypes() if backend.on_host else None,
                                     host_listener=self.step_backend.segment_listener,
                                     local=LocalAccumulation(self.groups, config.grad_accum_dtype)
-                                    if config.local_accumulation and config.stage >= 2 else None)
+                                    if config.local_accumulation and config.stage >= 2 else None,
+                                    hybrid=sharder.hybrid)
         if type(self) is ZeroOptimizer:
             self.__class__ = _named_like(cls)
 

@@ -62,6 +62,7 @@ from torch import nn
 from ..config import ZeroConfig
 from .collectives import Collectives
 from .flat import FlatGroup, ResidentGroup, ShardedGroup
+from .hybrid import hybrid_groups
 from .malloc import set_mmap_threshold
 from .materialize import is_deferred, materialize_meta
 from .order_guard import BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE, OrderGuard
@@ -119,7 +120,9 @@ class FlatParameters:
                  device: Optional[torch.device] = None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         self.module = module if isinstance(module, nn.Module) else None
         self.config = config
-        self.comm = comm
+        self.world_comm = comm  # every rank; self.comm is the shard group: see [Note: hybrid sharding] in hybrid.py
+        self.hybrid = hybrid_groups(comm, config.shard_group_size)
+        self.comm = comm = self.hybrid.shard if self.hybrid is not None else comm
         self._device = device
         self._optimizer_of = {p: i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
         params = list(dict.fromkeys(module.parameters() if self.module is not None else module))
@@ -249,7 +252,7 @@ class FlatParameters:
             # its values later (a file or a recorded construction: fill_deferred) needs no broadcast; the
             # ranks agree on which those are (_agree_on_plan)
             from_rank0 = config.stage == 3 and not all(is_deferred(p) for p in ps)
-            common = dict(broadcast_from=self.comm if from_rank0 else None,
+            common = dict(broadcast_from=self.world_comm if from_rank0 else None,
                           master_dtype=config.master_dtype if trainable else None,
                           offload_master=config.offload_optimizer and trainable,
                           block_align=config.layout_block if trainable else 1)
@@ -553,10 +556,10 @@ def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple[Fl
             sharder.gather(u)  # a load inside the block left it stale: the loaded values are the ones to keep
             for g in u.groups:
                 assert g.buffer is not None
-                sharder.comm.broadcast(g.buffer, src=rank, what=lambda: what)
+                sharder.world_comm.broadcast(g.buffer, src=rank, what=lambda: what)
                 g.commit_gathered()
         in_units = {p for _, u in units for g in u.groups for p in g.params}
-        comm = units[0][0].comm if units else Collectives()
+        comm = units[0][0].world_comm if units else Collectives()
         for p in params:
             if p not in in_units:
                 comm.broadcast(p.data, src=rank, what=lambda: what)

@@ -1,0 +1,283 @@
+"""Hybrid sharding (issue 32, [Note: hybrid sharding] in engine/hybrid.py) on 4 gloo ranks laid out
+as 2 nodes of 2, with shard_group_size=2 (the node): stages 1-3 equal DDP (1e-5); comm_stats()
+equals the communication model's prediction exactly, every all-gather and reduce-scatter stays
+inside a node and only all-reduces cross one; checkpoints are written by the first shard group and
+load at another layout (HSDP to plain stage 3, and back). One launch covers all of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zero_strategy import gathered_parameters
+from zero_strategy.checkpoint import CheckpointReader, load_model, load_optimizers, save_sharded
+from zero_strategy.checkpoint.sharded import flat_groups
+from zero_strategy.comm_model import predict_step_bytes
+from zero_strategy.config import ZeroConfig
+from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
+from zero_strategy.engine.hybrid import HybridMesh, resolve_shard_group_size
+
+from .distributed import run_distributed
+
+WORLD, PER_NODE, STEPS, WIDTH = 4, 2, 3, 16
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.proj(torch.tanh(self.fc(x)))
+
+
+class Net(nn.Module):
+    """An input layer (the root unit at stage 3), three blocks (units), a head."""
+
+    def __init__(self, d: int = WIDTH) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _config(stage: int, **options) -> ZeroConfig:
+    stage3 = dict(shard_modules=("Block",), param_persistence_threshold=0) if stage == 3 else {}
+    return ZeroConfig(stage=stage, bucket_cap_mb=0.002, **stage3, **options)  # several segments per group
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _build(stage: int, seed: int = 0, **options):
+    torch.manual_seed(seed)
+    model = Net()
+    config = _config(stage, **options)
+    comm = Collectives(ranks_per_node=PER_NODE)
+    sharder = shard_module(model, config, comm) if stage == 3 else None
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config, comm, sharder=sharder)
+    return model, opt, sharder
+
+
+def _train(model, opt, rank: int, start: int, stop: int, clip: bool = False) -> None:
+    for step in range(start, stop):
+        x, y = _batch(rank, step)
+        F.mse_loss(model(x), y).backward()
+        if clip:
+            opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    with gathered_parameters(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _ddp(rank: int, clip: bool = False) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Net())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        F.mse_loss(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+# name: (stage, options, clip); shard_group_size=2 is the node here
+CASES = {
+    "s1": (1, {"shard_group_size": 2}, False),
+    "s2": (2, {"shard_group_size": "node"}, True),
+    "s3": (3, {"shard_group_size": 2}, False),
+    "s3-clip": (3, {"shard_group_size": 2}, True),
+    "s2-k1": (2, {"shard_group_size": 1}, False),  # ZeRO over one rank: DDP with the engine's buckets
+    "s2-offload": (2, {"shard_group_size": 2, "offload_optimizer": True, "offload_overlap": True}, False),
+    "s3-qgZ": (3, {"shard_group_size": 2, "quantized_gradients": "int8", "quantization_block_size": 64}, False),
+    "s3-qwZ": (3, {"shard_group_size": 2, "quantized_weights": True, "quantization_block_size": 64}, False),
+}
+EXACT = ("s3-qgZ", "s3-qwZ")  # quantized: compared with the model's bytes, not with DDP's values
+
+
+def _checkpoints(rank: int, folder: Path) -> dict:
+    """HSDP saves and plain stage 3 loads it, and the other way round; each goes on for STEPS more
+    steps, as the run that saved it does uninterrupted."""
+    out = {}
+    for name, saving, loading in (("hsdp-to-plain", dict(shard_group_size=2), {}),
+                                  ("plain-to-hsdp", {}, dict(shard_group_size=2))):
+        model, opt, sharder = _build(3, **saving)
+        _train(model, opt, rank, 0, STEPS)
+        path = folder / name
+        save_sharded(path, {"global_step": STEPS, "optimizer_states": [{}]}, model, [opt], sharder,
+                     Collectives(), 3)
+        saved = _params(model)
+        _train(model, opt, rank, STEPS, 2 * STEPS)
+        model2, opt2, sharder2 = _build(3, seed=1, **loading)  # other weights: all must come from the file
+        reader = CheckpointReader(path)
+        state = reader.trainer_state()["zero_checkpoint"]
+        load_model(reader, state, model2, flat_groups([opt2], sharder2))
+        load_optimizers(reader, state, model2, [opt2])
+        loaded = _params(model2)
+        _train(model2, opt2, rank, STEPS, 2 * STEPS)
+        out[name] = {"saved": saved, "loaded": loaded, "uninterrupted": _params(model), "resumed": _params(model2),
+                     "shard_group_size": reader.shard_group_size,
+                     "file_bytes": {f: e["bytes"] for f, e in reader.index["files"].items()},
+                     "parts_in": sorted({part[0] for t in reader.tensors.values() for part in t["parts"]})}
+    return out
+
+
+def _all(rank: int, world_size: int, folder: str) -> dict:
+    out = {"ddp": _ddp(rank), "ddp-clip": _ddp(rank, clip=True)}
+    for name, (stage, options, clip) in CASES.items():
+        model, opt, sharder = _build(stage, **options)
+        _train(model, opt, rank, 0, STEPS, clip)
+        out[name] = {"params": _params(model), "stats": opt.comm_stats(),
+                     "groups": (opt.sharder.hybrid.shard.global_ranks, opt.sharder.hybrid.replicate.global_ranks)}
+    dist.barrier()
+    out["checkpoints"] = _checkpoints(rank, Path(folder))
+    from zero_strategy import Join
+
+    model, opt, _ = _build(2, shard_group_size=2)
+    try:
+        Join(model, opt)
+    except ValueError as err:
+        out["join"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(_all, WORLD, str(tmp_path_factory.mktemp("hybrid")))
+
+
+def _close(got: dict, want: dict, atol: float) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [n for n in CASES if n not in EXACT])
+def test_hybrid_sharding_equals_ddp(runs, name):
+    clip = CASES[name][2]
+    for rank in range(WORLD):
+        _close(runs[rank][name]["params"], runs[rank]["ddp-clip" if clip else "ddp"], 1e-5)
+        _close(runs[rank][name]["params"], runs[0][name]["params"], 0)  # the replicas stayed equal
+
+
+@pytest.mark.timeout(300)
+def test_groups_are_consecutive_ranks_and_their_replicas(runs):
+    for rank in range(WORLD):
+        shard, replicate = runs[rank]["s3"]["groups"]
+        assert shard == [rank // 2 * 2, rank // 2 * 2 + 1] and replicate == [rank % 2, rank % 2 + 2]
+        shard, replicate = runs[rank]["s2-k1"]["groups"]
+        assert shard == [rank] and replicate == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(CASES))
+def test_comm_stats_equal_the_prediction_and_only_all_reduces_cross_nodes(runs, name):
+    stage, options, clip = CASES[name]
+    with torch.device("meta"):
+        model = Net()
+    want = predict_step_bytes(model, _config(stage, **options), WORLD, PER_NODE, clipping=clip)
+    for rank in range(WORLD):
+        assert runs[rank][name]["stats"] == want, f"rank {rank}"
+    if options["shard_group_size"] == 1:
+        assert want["all_gather"] == want["reduce_scatter"] == 0  # a group of one sends nothing to itself
+        return
+    # the shard group is the node: every all-gather and reduce-scatter stays in it, and what crosses
+    # nodes is the all-reduce of each gradient shard across the replicas (and the small gradient mask)
+    assert want["all_gather"] > 0 and want["reduce_scatter"] > 0 and want["inter_node"] > 0
+    small = 8 if clip else 0  # the norm's all-reduce, within the shard group
+    assert want["inter_node"] == want["all_reduce"] - small
+    assert want["intra_node"] == want["all_gather"] + want["reduce_scatter"] + small
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_sends_fewer_inter_node_bytes_than_sharding_over_all_ranks():
+    with torch.device("meta"):
+        model = Net()
+    for stage in (1, 2, 3):
+        plain = predict_step_bytes(model, _config(stage), WORLD, PER_NODE)
+        hybrid = predict_step_bytes(model, _config(stage, shard_group_size=2), WORLD, PER_NODE)
+        assert hybrid["inter_node"] < plain["inter_node"], stage
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["hsdp-to-plain", "plain-to-hsdp"])
+def test_checkpoints_load_at_the_other_layout_and_training_goes_on(runs, name):
+    for rank in range(WORLD):
+        got = runs[rank]["checkpoints"][name]
+        _close(got["loaded"], got["saved"], 0)  # exactly the saved weights
+        _close(got["resumed"], got["uninterrupted"], 1e-5)  # and the optimizer state: the same steps follow
+
+
+@pytest.mark.timeout(300)
+def test_a_hybrid_checkpoint_is_written_once_and_says_its_layout(runs):
+    hsdp, plain = runs[0]["checkpoints"]["hsdp-to-plain"], runs[0]["checkpoints"]["plain-to-hsdp"]
+    assert hsdp["shard_group_size"] == 2 and plain["shard_group_size"] is None
+    assert hsdp["parts_in"] == ["rank_00000.safetensors", "rank_00001.safetensors"]  # the first shard group
+    assert len(plain["parts_in"]) == WORLD
+    # the second shard group's files hold no tensor (a header only): one replica's bytes, as plain
+    # stage 3 writes, not two
+    assert hsdp["file_bytes"]["rank_00002.safetensors"] < 100 and hsdp["file_bytes"]["rank_00003.safetensors"] < 100
+    assert sum(hsdp["file_bytes"].values()) < 1.1 * sum(plain["file_bytes"].values())
+
+
+def test_resolve_shard_group_size():
+    assert resolve_shard_group_size(None, 8, 4) is None
+    assert resolve_shard_group_size("node", 8, 4) == 4
+    assert resolve_shard_group_size(8, 8, 4) is None  # the whole world: plain ZeRO
+    assert resolve_shard_group_size(2, 8, 4) == 2
+    with pytest.raises(ValueError, match=r"shard_group_size=3 does not divide the world size 8.*\[1, 2, 4, 8\]"):
+        resolve_shard_group_size(3, 8, 4)
+    mesh = HybridMesh(6, 3)
+    assert mesh.shard_groups() == [[0, 1, 2], [3, 4, 5]] and mesh.replicate_groups() == [[0, 3], [1, 4], [2, 5]]
+    assert [mesh.replica_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(shard_group_size=0), r"shard_group_size=0 must be a positive integer"),
+    (dict(shard_group_size="rack"), r"shard_group_size='rack' must be a positive integer"),
+    (dict(shard_group_size=2.0), r"shard_group_size=2.0 must be a positive integer"),
+    (dict(stage=3, shard_group_size=2, secondary_partition_size=2), r"secondary_partition_size=2: hpZ"),
+])
+def test_bad_shard_group_sizes_are_refused_with_what_to_do(options, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig(**options)
+
+
+def test_deepspeed_mics_shard_size_maps_onto_shard_group_size():
+    from zero_strategy.deepspeed.config import DeepSpeedConfigError, map_deepspeed_config
+
+    settings = map_deepspeed_config({"zero_optimization": {"stage": 3, "mics_shard_size": 8,
+                                                           "mics_hierarchical_params_gather": True}})
+    assert settings.strategy["shard_group_size"] == 8
+    assert any("mics_shard_size=8 read as shard_group_size=8" in note for note in settings.notes)
+    assert "shard_group_size" not in map_deepspeed_config({"zero_optimization": {"stage": 3}}).strategy
+    with pytest.raises(DeepSpeedConfigError, match=r"mics_shard_size=8 at stage 2"):
+        map_deepspeed_config({"zero_optimization": {"stage": 2, "mics_shard_size": 8}})
+
+
+@pytest.mark.timeout(300)
+def test_join_refuses_hybrid_sharding(runs):
+    for rank in range(WORLD):
+        assert "Join with shard_group_size=2" in runs[rank].get("join", "")
