@@ -16,7 +16,8 @@ from torch import nn
 
 from zero_strategy import gathered_parameters
 from zero_strategy.checkpoint import CheckpointReader, load_model, load_optimizers, save_sharded
-from zero_strategy.checkpoint.sharded import flat_groups
+from zero_strategy.checkpoint.hf_export import LiveSource
+from zero_strategy.checkpoint.sharded import flat_groups, writes_shards
 from zero_strategy.comm_model import predict_step_bytes
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
@@ -150,6 +151,9 @@ def _all(rank: int, world_size: int, folder: str) -> dict:
         _train(model, opt, rank, 0, STEPS, clip)
         out[name] = {"params": _params(model), "stats": opt.comm_stats(),
                      "groups": (opt.sharder.hybrid.shard.global_ranks, opt.sharder.hybrid.replicate.global_ranks)}
+        if name == "s3":  # what a Hugging Face export gathers over all ranks, one tensor at a time
+            source = LiveSource(model, flat_groups([opt], sharder), Collectives(), writes_shards([opt], sharder))
+            out[name]["exported"] = {key: source.fetch(key) for key in model.state_dict()}
     dist.barrier()
     out["checkpoints"] = _checkpoints(rank, Path(folder))
     from zero_strategy import Join
@@ -180,6 +184,13 @@ def test_hybrid_sharding_equals_ddp(runs, name):
     for rank in range(WORLD):
         _close(runs[rank][name]["params"], runs[rank]["ddp-clip" if clip else "ddp"], 1e-5)
         _close(runs[rank][name]["params"], runs[0][name]["params"], 0)  # the replicas stayed equal
+
+
+@pytest.mark.timeout(300)
+def test_a_hugging_face_export_gathers_each_tensor_once_not_once_per_replica(runs):
+    exported = runs[0]["s3"]["exported"]  # rank 0 writes
+    _close(exported, runs[0]["s3"]["params"], 0)
+    assert all(value is None for value in runs[1]["s3"]["exported"].values())
 
 
 @pytest.mark.timeout(300)

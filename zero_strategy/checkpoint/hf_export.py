@@ -105,9 +105,11 @@ class CheckpointSource(_Source):
 class LiveSource(_Source):
     """A running job's tensors, gathered one at a time (see [Note: gathering one tensor for an export])."""
 
-    def __init__(self, module: nn.Module, groups: Sequence[FlatGroup], comm: Collectives) -> None:
+    def __init__(self, module: nn.Module, groups: Sequence[FlatGroup], comm: Collectives,
+                 contributes: bool = True) -> None:
         self.comm = comm
         self.writes = comm.rank == 0
+        self.contributes = contributes  # False: a replica's ranks under hybrid sharding add nothing (writes_shards)
         self.tensors = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
         self.place: dict[torch.Tensor, tuple[FlatGroup, int]] = {}
         for g in groups:
@@ -138,7 +140,7 @@ class LiveSource(_Source):
         g, i = place
         master = self._uses_master(g)
         whole = torch.full((g.shapes[i].numel(),), -0.0, dtype=self.dtype(key), device=g.device)
-        for piece in g.pieces:
+        for piece in g.pieces if self.contributes else ():
             if piece.param == i:
                 whole[piece.param_start:piece.param_end] = (g.stepped(piece) if master else g.weights(piece))
         self.comm.all_reduce(whole, what=lambda: f"the all-reduce that gathers {key!r} for a Hugging Face export")
@@ -328,9 +330,11 @@ def export_module(module: nn.Module, groups: Sequence[FlatGroup], comm: Collecti
                   dtype: Union[str, torch.dtype, None] = None,
                   max_shard_size: Union[int, str] = layout.DEFAULT_MAX_SHARD_SIZE, config: Any = None,
                   prefix: Optional[str] = None, adapter_dir: Optional[str] = DEFAULT_ADAPTER_DIR,
-                  adapter_only: bool = False) -> Exported:
+                  adapter_only: bool = False, contributes: bool = True) -> Exported:
     """Write a running job's ``module`` (on the engine, its flat ``groups``) as a Hugging Face model
-    directory from rank 0, gathering one tensor at a time. A collective: call it on every rank."""
+    directory from rank 0, gathering one tensor at a time over ``comm`` (every rank). A collective:
+    call it on every rank; ``contributes=False`` on the ranks whose pieces another rank holds too
+    (hybrid sharding's replicas: checkpoint/sharded.py ``writes_shards``)."""
     error, plan, config_text = "", None, None
     try:  # what can fail on one rank alone (a config file it cannot read) fails on every rank, before a gather
         plan = make_plan(module, prefix, merge=not adapter_only)
@@ -342,8 +346,8 @@ def export_module(module: nn.Module, groups: Sequence[FlatGroup], comm: Collecti
     if errors:
         raise ValueError(f"save_pretrained failed on rank {errors[0][0]} before anything was gathered: {errors[0][1]}")
     assert plan is not None
-    return write_export(out_dir, plan, LiveSource(module, groups, comm), layout.export_dtype(dtype), max_shard_size,
-                        config_text, adapter_dir, adapter_only)
+    return write_export(out_dir, plan, LiveSource(module, groups, comm, contributes), layout.export_dtype(dtype),
+                        max_shard_size, config_text, adapter_dir, adapter_only)
 
 
 # ---- transformers' and peft's own save_pretrained on a sharded model -------------------------

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 
 from ..checkpoint.hf_export import DEFAULT_ADAPTER_DIR, Exported, export_module, guard_save_pretrained
+from ..checkpoint.sharded import writes_shards
 from ..checkpoint.hf_layout import DEFAULT_MAX_SHARD_SIZE
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def save_pretrained(model: "EngineModel", save_directory: Any, dtype: Union[str,
     path of the model to export, "model."; default: the one transformers or peft model inside).
     """
     return export_module(model.module, model.groups, model.comm, save_directory, dtype, max_shard_size, config,
-                         prefix, adapter_dir, adapter_only)
+                         prefix, adapter_dir, adapter_only, writes_shards(model.optimizers, model.sharder))
 
 
 def guard_hf_save_pretrained(model: "EngineModel") -> None:
