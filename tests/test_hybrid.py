@@ -21,11 +21,12 @@ from zero_strategy.checkpoint.sharded import flat_groups, writes_shards
 from zero_strategy.comm_model import predict_step_bytes
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
+from zero_strategy.engine.comm_volume import sent_bytes
 from zero_strategy.engine.hybrid import HybridMesh, resolve_shard_group_size
 
 from .distributed import run_distributed
 
-WORLD, PER_NODE, STEPS, WIDTH = 4, 2, 3, 16
+WORLD, PER_NODE, STEPS, WIDTH, ACCUM = 4, 2, 3, 16, 4
 
 
 class Block(nn.Module):
@@ -84,18 +85,32 @@ def _train(model, opt, rank: int, start: int, stop: int, clip: bool = False) -> 
         opt.zero_grad()
 
 
+def _train_accumulating(model, opt, rank: int, last_deferred: bool = False) -> None:
+    """STEPS optimizer steps of ACCUM micro-batches, those before the last inside ``no_sync`` (the
+    last too with ``last_deferred``: the step finds the sums pending)."""
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            x, y = _batch(rank, 10 * step + micro)
+            with opt.no_sync() if last_deferred or micro < ACCUM - 1 else torch.enable_grad():
+                (F.mse_loss(model(x), y) / ACCUM).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _params(model) -> dict[str, torch.Tensor]:
     with gathered_parameters(model):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _ddp(rank: int, clip: bool = False) -> dict[str, torch.Tensor]:
+def _ddp(rank: int, clip: bool = False, accumulate: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(Net())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
-        x, y = _batch(rank, step)
-        F.mse_loss(model(x), y).backward()
+        for micro in range(ACCUM if accumulate else 1):
+            x, y = _batch(rank, 10 * step + micro if accumulate else step)
+            with model.no_sync() if accumulate and micro < ACCUM - 1 else torch.enable_grad():
+                (F.mse_loss(model(x), y) / (ACCUM if accumulate else 1)).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
@@ -115,6 +130,16 @@ CASES = {
     "s3-qwZ": (3, {"shard_group_size": 2, "quantized_weights": True, "quantization_block_size": 64}, False),
 }
 EXACT = ("s3-qgZ", "s3-qwZ")  # quantized: compared with the model's bytes, not with DDP's values
+# with ACCUM micro-batches per step: name: (stage, options, the last micro-batch deferred too)
+ACCUMULATING = {
+    "acc-s2": (2, {"shard_group_size": 2}, False),  # replica_all_reduce="boundary", the default
+    "acc-s2-every": (2, {"shard_group_size": 2, "replica_all_reduce": "every_backward"}, False),
+    "acc-s3": (3, {"shard_group_size": 2}, False),
+    "acc-s3-every": (3, {"shard_group_size": 2, "replica_all_reduce": "every_backward"}, False),
+    "acc-s3-all-deferred": (3, {"shard_group_size": 2}, True),
+    "acc-s3-local": (3, {"shard_group_size": 2, "local_accumulation": True}, False),
+    "acc-s2-offload": (2, {"shard_group_size": 2, "offload_optimizer": True}, False),  # host shards
+}
 
 
 def _checkpoints(rank: int, folder: Path) -> dict:
@@ -145,7 +170,11 @@ def _checkpoints(rank: int, folder: Path) -> dict:
 
 
 def _all(rank: int, world_size: int, folder: str) -> dict:
-    out = {"ddp": _ddp(rank), "ddp-clip": _ddp(rank, clip=True)}
+    out = {"ddp": _ddp(rank), "ddp-clip": _ddp(rank, clip=True), "ddp-accumulating": _ddp(rank, accumulate=True)}
+    for name, (stage, options, last_deferred) in ACCUMULATING.items():
+        model, opt, sharder = _build(stage, **options)
+        _train_accumulating(model, opt, rank, last_deferred)
+        out[name] = {"params": _params(model), "stats": opt.comm_stats()}
     for name, (stage, options, clip) in CASES.items():
         model, opt, sharder = _build(stage, **options)
         _train(model, opt, rank, 0, STEPS, clip)
@@ -191,6 +220,25 @@ def test_a_hugging_face_export_gathers_each_tensor_once_not_once_per_replica(run
     exported = runs[0]["s3"]["exported"]  # rank 0 writes
     _close(exported, runs[0]["s3"]["params"], 0)
     assert all(value is None for value in runs[1]["s3"]["exported"].values())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(ACCUMULATING))
+def test_accumulating_equals_ddp_and_the_boundary_all_reduces_once_per_step(runs, name):
+    stage, options, _ = ACCUMULATING[name]
+    for rank in range(WORLD):
+        _close(runs[rank][name]["params"], runs[rank]["ddp-accumulating"], 1e-5)
+    with torch.device("meta"):
+        model = Net()
+    want = predict_step_bytes(model, _config(stage, **options), WORLD, PER_NODE, accumulation_steps=ACCUM)
+    for rank in range(WORLD):  # (all deferred: the step all-reduces each shard once instead)
+        assert runs[rank][name]["stats"] == want, f"rank {rank}"
+    # what crosses nodes: each gradient shard's all-reduce across the replicas, and once per step the
+    # all-reduce of which parameters got gradients
+    mask = sent_bytes("all_reduce", len(list(model.parameters())), WORLD)
+    once = predict_step_bytes(model, _config(stage, shard_group_size=2), WORLD, PER_NODE)  # one micro-batch
+    replica_sums = ACCUM if options.get("replica_all_reduce") == "every_backward" else 1
+    assert want["inter_node"] - mask == replica_sums * (once["inter_node"] - mask) > 0
 
 
 @pytest.mark.timeout(300)
@@ -270,6 +318,7 @@ def test_resolve_shard_group_size():
     (dict(shard_group_size="rack"), r"shard_group_size='rack' must be a positive integer"),
     (dict(shard_group_size=2.0), r"shard_group_size=2.0 must be a positive integer"),
     (dict(stage=3, shard_group_size=2, secondary_partition_size=2), r"secondary_partition_size=2: hpZ"),
+    (dict(shard_group_size=2, replica_all_reduce="never"), r"replica_all_reduce='never' is not one of"),
 ])
 def test_bad_shard_group_sizes_are_refused_with_what_to_do(options, message):
     with pytest.raises(ValueError, match=message):

@@ -18,7 +18,8 @@ the meta device) and lists the collectives of one training step:
 - with ``shard_group_size=K`` (hybrid sharding: [Note: hybrid sharding] in engine/hybrid.py) the
   groups are planned for K ranks, and every all-gather, reduce-scatter, the overflow flag and the
   norm run over the shard group of K; each reduce-scatter is followed by an all-reduce of its
-  shard across the N/K replicas, and only the gradient mask stays over all N.
+  shard across the N/K replicas (with accumulation, at the boundary's backward only, unless
+  ``replica_all_reduce="every_backward"``), and only the gradient mask stays over all N.
 
 Each is costed by engine/comm_volume.py's ``sent_bytes`` (see [Note: bytes sent] there) and filed
 as intra- or inter-node by its group, as the engine's counter files it, so a real run's
@@ -131,7 +132,7 @@ class _Step:
             out += over * HEADER_BYTES if header else 0
             self.add("all_gather", "all_gather", out, over, inter_node)
 
-    def reduce(self, group: _Group, quantize: Optional[QuantSpec]) -> None:
+    def reduce(self, group: _Group, quantize: Optional[QuantSpec], sum_replicas: bool = True) -> None:
         n = self.shards
         per_node, nodes = self.nodes.ranks_per_node, self.nodes.num_nodes
         hierarchical = n == self.nodes.world_size and per_node > 1 and nodes > 1  # the world's group only
@@ -146,7 +147,7 @@ class _Step:
             else:
                 self.add("reduce_scatter", "all_to_all", n * packed_row_bytes(shard, quantize), n, self.shard_inter)
             replicas = self.nodes.world_size // n
-            if replicas > 1:  # the shard, summed across the shard groups
+            if replicas > 1 and sum_replicas:  # the shard, summed across the shard groups
                 self.add("all_reduce", "all_reduce", shard * group.element_size, replicas, self.replica_inter)
 
     def world_collective(self, kind: str, nbytes: int) -> None:
@@ -216,9 +217,10 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
                     step.gather(g, weights_q, secondary, secondary_inter, guard)
                 else:
                     step.gather(g, weights_q, shards, step.shard_inter, guard)
-        if config.stage >= 2 and (not config.local_accumulation or micro == accumulation_steps - 1):
+        boundary = micro == accumulation_steps - 1
+        if config.stage >= 2 and (not config.local_accumulation or boundary):
             for g in trainable:  # local accumulation: once, at the boundary (see engine/local_accumulation.py)
-                step.reduce(g, grads_q)
+                step.reduce(g, grads_q, sum_replicas=boundary or config.replica_all_reduce == "every_backward")
     step.phase = "step"
     if config.stage == 1:
         for g in trainable:

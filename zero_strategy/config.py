@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 SUPPORTED_STAGES = (1, 2, 3)
 GRAD_ACCUM_DTYPES = ("fp32", "working")
 """What ``grad_accum_dtype`` takes: fp32, or the working weights' dtype (bf16/fp16/fp32)."""
+REPLICA_ALL_REDUCE = ("boundary", "every_backward")
+"""What ``replica_all_reduce`` takes (hybrid sharding: see [Note: hybrid sharding] in engine/hybrid.py)."""
 
 MIN_MMAP_THRESHOLD_MB, MAX_MMAP_THRESHOLD_MB = 0.125, 32
 """glibc's first mmap threshold and its largest on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``):
@@ -213,6 +215,13 @@ class ZeroConfig:
     groups; parameters are all-gathered within the group only. Memory per rank follows the ZeRO
     formula with K in place of the world size. None (the default): shard over all ranks."""
 
+    replica_all_reduce: str = "boundary"
+    """With shard_group_size at stages 2-3 and gradient accumulation: when the gradient shards are
+    all-reduced across the shard groups. "boundary" (the default, as MiCS): once per optimizer step,
+    the micro-batches before it summed within the group into the shard (no extra memory; only the
+    order of additions differs); "every_backward": after each micro-batch's reduce-scatter, as
+    without accumulation. See [Note: hybrid sharding] in engine/hybrid.py."""
+
     def _check_shard_group_size(self) -> None:
         size = self.shard_group_size
         if size is None or size == "node":
@@ -226,6 +235,10 @@ class ZeroConfig:
                              "stay inside a node, which shard groups within a node already do, and a secondary "
                              "partition inside a shard group is not built. Drop secondary_partition_size, or "
                              "shard_group_size.")
+        if self.replica_all_reduce not in REPLICA_ALL_REDUCE:
+            raise ValueError(f"replica_all_reduce={self.replica_all_reduce!r} is not one of {REPLICA_ALL_REDUCE}: "
+                             "\"boundary\" all-reduces the gradient shards across the shard groups once per "
+                             "optimizer step, \"every_backward\" after each backward.")
 
     def _check_local_accumulation(self) -> None:
         if not isinstance(self.local_accumulation, bool):

@@ -62,7 +62,7 @@ from torch.optim import Optimizer
 
 from .config import ZeroConfig
 from .engine import Collectives, ZeroOptimizer
-from .engine.local_accumulation import deferred_reduction
+from .engine.local_accumulation import deferred_reduction, defers
 from .frontend import (EngineModel, WorkingPrecision, add_optimizers, clip_grad_norm, clip_grad_value,
                        load_full_model, move_module, setup_engine)
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
@@ -142,7 +142,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         if not enabled:
             return nullcontext()
         engine = self.strategy._engine_of(module, "fabric.no_backward_sync(model)")
-        if self.strategy.config.local_accumulation:  # see [Note: local accumulation] in engine/local_accumulation.py
+        if defers(engine.optimizers):  # see [Note: local accumulation] in engine/local_accumulation.py
             return deferred_reduction(engine.optimizers)
         if self.strategy.config.stage >= 2 and not self.warned:
             self.warned = True
@@ -198,6 +198,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         local_accumulation: bool = False,
         grad_accum_dtype: str = "fp32",
         shard_group_size: Union[int, str, None] = None,
+        replica_all_reduce: str = "boundary",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

@@ -127,6 +127,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         local_accumulation: bool = False,
         grad_accum_dtype: str = "fp32",
         shard_group_size: Union[int, str, None] = None,
+        replica_all_reduce: str = "boundary",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .collectives import Collectives, Pending, after
 from .flat import FlatGroup
-from .hybrid import HybridGroups
+from .hybrid import DeferredReplicaSum, HybridGroups
 from .layout import Piece
 from .local_accumulation import LocalAccumulation
 from .offload import host_empty, wait_for_copies
@@ -110,10 +110,13 @@ class GradientReducer:
     def _on_grad(self, gi: int, i: int, param: torch.nn.Parameter) -> None:
         raise NotImplementedError
 
-    def _reduce_scatter(self, gi: int, output: torch.Tensor, input: torch.Tensor, what) -> Pending:
+    def _reduce_scatter(self, gi: int, output: torch.Tensor, input: torch.Tensor, what,
+                        fold: Optional[torch.Tensor] = None, sum_replicas: bool = True) -> Pending:
         """One segment's reduction, block-quantized when the group says so (``quantized_gradients``:
         see [Note: quantized reduce-scatter] in collectives.py), rounded stochastically with this
-        reducer's generator (see [Note: stochastic rounding] in quantize.py)."""
+        reducer's generator (see [Note: stochastic rounding] in quantize.py). With hybrid sharding
+        the result is then all-reduced across the replicas (unless not ``sum_replicas``), ``fold``
+        added into it first (see [Note: hybrid sharding])."""
         spec = self.groups[gi].reduce_quantization
         if spec is not None:
             pending = self.comm.quantized_reduce_scatter(output, input, spec, what, noise=self._rounding)
@@ -122,11 +125,17 @@ class GradientReducer:
         else:
             scratch = self._pool.take(input.numel(), input.dtype, input.device)  # see [Note: reduce-scatter on gloo]
             pending = after(self.comm.reduce_scatter(output, input, what, scratch), lambda: self._pool.give(scratch))
-        if self.replicas is None:
+        if self.replicas is None or not sum_replicas:
             return pending
         replicas = self.replicas  # the shard, summed over the shard groups: see [Note: hybrid sharding]
-        return after(pending, lambda: replicas.all_reduce(output, what=lambda: f"all-reduce across the shard groups "
-                                                                               f"of the {what()}"))
+
+        def across_replicas() -> None:
+            if fold is not None:  # the group's sums of the deferred backwards: see [Note: hybrid sharding]
+                if fold.device != output.device:
+                    wait_for_copies(output.device)  # an earlier non-blocking copy into it may be in flight
+                output.add_(fold.to(output.device, output.dtype))
+            replicas.all_reduce(output, what=lambda: f"all-reduce across the shard groups of the {what()}")
+        return after(pending, across_replicas)
 
     def _describe(self, gi: int, si: int) -> str:
         seg = self.groups[gi].segments[si]
@@ -254,9 +263,15 @@ class ShardedGradientReducer(GradientReducer):
 
     def __init__(self, groups: Sequence[FlatGroup], comm: Collectives, position: Mapping[torch.nn.Parameter, int],
                  host_dtypes: Optional[Sequence[torch.dtype]] = None, listener=None, host_listener=None,
-                 local: Optional[LocalAccumulation] = None, hybrid: Optional[HybridGroups] = None) -> None:
+                 local: Optional[LocalAccumulation] = None, hybrid: Optional[HybridGroups] = None,
+                 replica_all_reduce: str = "every_backward") -> None:
         super().__init__(groups, comm, position, host_dtypes, hybrid)
         self.local = local  # local_accumulation: see [Note: local accumulation] in local_accumulation.py
+        # replica_all_reduce="boundary": see [Note: hybrid sharding] in hybrid.py (local accumulation
+        # defers the all-reduce with everything else)
+        self.replica_sum = (DeferredReplicaSum() if hybrid is not None and replica_all_reduce == "boundary"
+                            and local is None else None)
+        self.deferral = local if local is not None else self.replica_sum  # what no_sync() enters
         self.listener = listener
         self.host_listener = host_listener
         self._rank_in_order = {key: n for n, key in enumerate(self.order)}
@@ -280,8 +295,8 @@ class ShardedGradientReducer(GradientReducer):
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
             self._pool.begin_pass()
-            if self.local is not None:
-                self.local.begin_backward()
+            if self.deferral is not None:
+                self.deferral.begin_backward()
         grad, param.grad = param.grad, None
         group = self.groups[gi]
         key = (gi, group.layout.param_segments[i])
@@ -347,6 +362,32 @@ class ShardedGradientReducer(GradientReducer):
         if self.local is not None and self.local.pending:  # accumulated, and no boundary backward came
             self._pool.begin_pass()
             self._launch_all()
+        if self.replica_sum is not None and self.replica_sum.unsynced:  # the same for the replicas' sum
+            for gi, si in sorted(self.replica_sum.unsynced, key=self._rank_in_order.__getitem__):
+                group = self.groups[gi]
+                target = group.segment_shard(self.grad_shards[gi], group.segments[si])
+                if target.device != group.device:
+                    wait_for_copies(group.device)
+                shard = target.to(group.device)
+                self.replicas.all_reduce(shard, what=lambda: f"all-reduce across the shard groups of the "
+                                                             f"{self._describe(gi, si)}, deferred to the step")
+                target.copy_(shard)
+            self.replica_sum.unsynced.clear()
+
+    def _replicas_plan(self, key: tuple[int, int], accumulate: bool,
+                       target: torch.Tensor) -> tuple[Optional[torch.Tensor], bool]:
+        """For a segment launched now: (the shard to add into its result before the replicas'
+        all-reduce, whether to all-reduce it at all); see [Note: hybrid sharding] in hybrid.py."""
+        deferred = self.replica_sum
+        if deferred is None:
+            return None, True
+        if deferred.deferring:
+            deferred.unsynced.add(key)
+            return None, False
+        if key in deferred.unsynced and not accumulate:  # a late gradient's launch follows the first one
+            deferred.unsynced.discard(key)
+            return target, True
+        return None, True
 
     def _launch_ready(self) -> None:
         while self._next < len(self.order):
@@ -377,13 +418,15 @@ class ShardedGradientReducer(GradientReducer):
         end = seg.offsets[-1] + seg.numels[-1]
         staging[end:].zero_()  # the gradients in it are already divided by the world size (_on_grad)
         target = group.segment_shard(self.grad_shards[gi], seg)
-        add = self._shard_filled or accumulate
-        if self.host_grads[gi] is not None:  # see [Note: gradients to the host]
+        fold, sum_replicas = self._replicas_plan(key, accumulate, target)
+        add = (self._shard_filled or accumulate) and fold is None  # a folded shard is replaced, not added to
+        if self.host_grads[gi] is not None or fold is not None:  # see [Note: gradients to the host]
             output = torch.empty(seg.shard_numel, dtype=group.dtype, device=group.device)
         else:
             output = torch.empty_like(target) if add else target
         what = functools.partial(self._describe, gi, si)
-        self._inflight.append((key, self._reduce_scatter(gi, output, staging, what), buffer, output, target, add))
+        pending = self._reduce_scatter(gi, output, staging, what, fold, sum_replicas)
+        self._inflight.append((key, pending, buffer, output, target, add))
         self._finish(len(self._inflight) - MAX_INFLIGHT)
 
     def _finish(self, count: int) -> None:
@@ -415,6 +458,8 @@ class ShardedGradientReducer(GradientReducer):
         if self.local is not None:
             self.local.drop()
         self._shard_filled = False
+        if self.replica_sum is not None:
+            self.replica_sum.unsynced.clear()
         for group in self.groups:
             for p in group.params:
                 p.grad = None
@@ -423,11 +468,13 @@ class ShardedGradientReducer(GradientReducer):
 def make_reducer(groups: Sequence[FlatGroup], stage: int, comm: Collectives,
                  position: Mapping[torch.nn.Parameter, int], listener=None,
                  host_dtypes: Optional[Sequence[torch.dtype]] = None, host_listener=None,
-                 local: Optional[LocalAccumulation] = None, hybrid: Optional[HybridGroups] = None) -> GradientReducer:
+                 local: Optional[LocalAccumulation] = None, hybrid: Optional[HybridGroups] = None,
+                 replica_all_reduce: str = "every_backward") -> GradientReducer:
     """Stage 1's reducer (full gradients, reduced before the step) or stages 2-3's (sharded, during
     backward; at stage 3 unit by unit, telling ``listener`` the sharder; ``host_listener``: see
     ShardedGradientReducer)."""
     if stage == 1:
         assert host_listener is None, "stage 1 reduces gradients only at the step"
         return FullGradientReducer(groups, comm, position, host_dtypes, hybrid)
-    return ShardedGradientReducer(groups, comm, position, host_dtypes, listener, host_listener, local, hybrid)
+    return ShardedGradientReducer(groups, comm, position, host_dtypes, listener, host_listener, local, hybrid,
+                                  replica_all_reduce)

@@ -13,6 +13,16 @@ in every replica, and the replicas stay equal without any further communication.
 
 With K = the ranks per node (``shard_group_size="node"``), every all-gather and reduce-scatter stays
 inside a node and only the gradient all-reduce (1/K of the gradients per rank) crosses nodes.
+
+With accumulation, ``replica_all_reduce="boundary"`` (the default, as MiCS does) runs that
+all-reduce once per optimizer step: a deferred backward (a micro-batch before the boundary, as
+[Note: local accumulation] marks them) reduce-scatters within the group as usual and adds into the
+shard, which then holds the group's sum only (``DeferredReplicaSum.unsynced``); the boundary's
+backward adds that sum into its own reduce-scatter's result before all-reducing it, so each
+micro-batch's gradient crosses the nodes once, inside one sum, and k micro-batches cost one
+inter-node all-reduce instead of k. It needs no memory: the sum lives in the shard. The result
+differs from ``"every_backward"`` only in the order of the additions. A step whose last backward was
+deferred too all-reduces what is pending first (``ShardedGradientReducer.reduce``).
 Checkpoints are written by the first shard group only (see checkpoint/sharded.py) and name K.
 
 The engine's ``comm`` (a FlatParameters', a ZeroOptimizer's) is the shard group; the world's
@@ -27,6 +37,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .collectives import Collectives
+from .local_accumulation import Deferral
 
 
 def resolve_shard_group_size(size: Union[int, str, None], world_size: int, ranks_per_node: int) -> Optional[int]:
@@ -90,3 +101,12 @@ def hybrid_groups(world: Collectives, size: Union[int, str, None]) -> Optional[H
     shard = world.split(mesh.shard_groups())
     replicate = world.split(mesh.replicate_groups())
     return HybridGroups(mesh, world, shard, replicate, mesh.replica_of(world.rank))
+
+
+class DeferredReplicaSum(Deferral):
+    """``replica_all_reduce="boundary"``: the segments whose gradient shard holds sums the replicas
+    have not all-reduced yet (see [Note: hybrid sharding])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unsynced: set[tuple[int, int]] = set()  # (group, segment)

@@ -39,18 +39,16 @@ from .flat import FlatGroup
 from .layout import Segment
 
 
-class LocalAccumulation:
-    """The full-size local gradient buffers of a reducer's flat groups, and whether the coming
-    backward defers its reduction (see [Note: local accumulation])."""
+class Deferral:
+    """Whether the backward in progress defers (some of) its gradient reduction to the accumulation
+    boundary: it runs inside ``no_sync()``, or ``defer_when`` says so. Decided at the backward's first
+    gradient and held for the whole pass (see [Note: local accumulation] for why). Local accumulation
+    defers every collective; hybrid sharding's ``replica_all_reduce="boundary"`` only the all-reduce
+    across the replicas (see [Note: hybrid sharding] in hybrid.py)."""
 
-    def __init__(self, groups: Sequence[FlatGroup], grad_accum_dtype: str) -> None:
-        self.groups = list(groups)
-        self.dtypes = [torch.float32 if grad_accum_dtype == "fp32" else g.dtype for g in self.groups]
-        self.buffers: list[Optional[torch.Tensor]] = [None] * len(self.groups)
-        self._views: list[list[torch.Tensor]] = [[] for _ in self.groups]
+    def __init__(self) -> None:
         self._depth = 0  # no_sync() contexts entered
         self.defer_when: Optional[Callable[[], bool]] = None  # asked at each backward's first gradient
-        self.pending = False  # the buffers hold gradients no reduction has taken yet
         self.deferring = False  # the backward in progress defers its reduction (decided at its first gradient)
 
     @contextlib.contextmanager
@@ -64,6 +62,18 @@ class LocalAccumulation:
     def begin_backward(self) -> None:
         """A backward's first gradient: decide whether this pass defers its reduction."""
         self.deferring = self._depth > 0 or (self.defer_when is not None and bool(self.defer_when()))
+
+
+class LocalAccumulation(Deferral):
+    """The full-size local gradient buffers of a reducer's flat groups (see [Note: local accumulation])."""
+
+    def __init__(self, groups: Sequence[FlatGroup], grad_accum_dtype: str) -> None:
+        super().__init__()
+        self.groups = list(groups)
+        self.dtypes = [torch.float32 if grad_accum_dtype == "fp32" else g.dtype for g in self.groups]
+        self.buffers: list[Optional[torch.Tensor]] = [None] * len(self.groups)
+        self._views: list[list[torch.Tensor]] = [[] for _ in self.groups]
+        self.pending = False  # the buffers hold gradients no reduction has taken yet
 
     def takes(self, launched: bool) -> bool:
         """Whether the gradient arriving now goes into the local buffer: in a deferred backward, or
@@ -113,7 +123,7 @@ class LocalAccumulation:
 @contextlib.contextmanager
 def deferred_reduction(optimizers: Iterable) -> Iterator[None]:
     """Backward passes inside defer their gradient reduction to the next one outside, for every
-    ZeroOptimizer of ``optimizers`` built with ``local_accumulation`` (others: nothing changes)."""
+    ZeroOptimizer of ``optimizers`` that defers one (``defers``; others: nothing changes)."""
     with contextlib.ExitStack() as stack:
         for optimizer in optimizers:
             stack.enter_context(optimizer.no_sync())
@@ -121,5 +131,6 @@ def deferred_reduction(optimizers: Iterable) -> Iterator[None]:
 
 
 def defers(optimizers: Iterable) -> bool:
-    """Whether any of ``optimizers`` accumulates locally (``local_accumulation`` at stages 2-3)."""
-    return any(getattr(getattr(o, "reducer", None), "local", None) is not None for o in optimizers)
+    """Whether any of ``optimizers`` defers a reduction to the boundary: ``local_accumulation`` at
+    stages 2-3, or hybrid sharding's ``replica_all_reduce="boundary"``."""
+    return any(getattr(getattr(o, "reducer", None), "deferral", None) is not None for o in optimizers)

@@ -84,7 +84,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                     host_listener=self.step_backend.segment_listener,
                                     local=LocalAccumulation(self.groups, config.grad_accum_dtype)
                                     if config.local_accumulation and config.stage >= 2 else None,
-                                    hybrid=sharder.hybrid)
+                                    hybrid=sharder.hybrid, replica_all_reduce=config.replica_all_reduce)
         if type(self) is ZeroOptimizer:
             self.__class__ = _named_like(cls)
 
@@ -120,22 +120,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``piece_state(ref)``)."""
         return self._stepped.pieces()
 
-    # ---- local accumulation: see [Note: local accumulation] in local_accumulation.py ---------
+    # ---- deferred reductions: [Note: local accumulation] in local_accumulation.py, and
+    # ---- [Note: hybrid sharding] in hybrid.py
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Backward passes inside add their gradients into this rank's local buffers; the next one
         outside (or the step) reduces them all at once. Only with ``local_accumulation`` at stages 2-3;
-        otherwise nothing changes (stage 1 reduces at the step anyway; stages 2-3 without it reduce
+        with hybrid sharding (stages 2-3, ``replica_all_reduce="boundary"``) they are reduced within
+        the shard group as usual and only the all-reduce across the replicas waits for the next one.
+        Otherwise nothing changes (stage 1 reduces at the step anyway; stages 2-3 without it reduce
         every backward's gradients into the shard)."""
-        local = getattr(self.reducer, "local", None)
-        return local.no_sync() if local is not None else contextlib.nullcontext()
+        deferral = getattr(self.reducer, "deferral", None)
+        return deferral.no_sync() if deferral is not None else contextlib.nullcontext()
 
     def defer_reduction_when(self, predicate: Optional[Callable[[], bool]]) -> None:
-        """With ``local_accumulation``: ask ``predicate`` at each backward's first gradient whether that
+        """Where ``no_sync`` defers: ask ``predicate`` at each backward's first gradient whether that
         backward defers its reduction (``initialize``'s engine: off its accumulation boundary)."""
-        local = getattr(self.reducer, "local", None)
-        if local is not None:
-            local.defer_when = predicate
+        deferral = getattr(self.reducer, "deferral", None)
+        if deferral is not None:
+            deferral.defer_when = predicate
 
     # ---- the step --------------------------------------------------------------------------
 
