@@ -13,6 +13,7 @@ from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, shard_module
 from zero_strategy.engine.comm_volume import NodeLayout, sent_bytes
 from zero_strategy.engine.quantize import QuantSpec
+from zero_strategy.memory import estimate_memory
 
 from .distributed import run_distributed
 
@@ -150,7 +151,7 @@ def test_zero_estimate_prints_the_models_bytes_for_every_variant(capsys):
         net = GPT(n_layer=2, n_head=4, n_embd=128, block_size=128)  # conf/model/gpt.yaml with n_layer=2
     base = ZeroConfig(shard_modules=("Block", "GPT2Block", "BertLayer"), param_persistence_threshold=1024)
     rows = variant_rows(net, base, 8, 2, links(inter_node_gbps=10), clipping=True)  # the default trainer clips
-    assert len(rows) == 9
+    assert len(rows) == 13  # every variant: hpZ and HSDP have several nodes of several ranks here
     lines = {line.split("│")[1].strip(): line for line in printed.splitlines() if line.count("│") > 5}
     for row in rows:
         line = lines[row["variant"]]
@@ -163,6 +164,14 @@ def test_zero_estimate_prints_the_models_bytes_for_every_variant(capsys):
     assert zero_estimate(["world_size=4", "strategy=zero3", "strategy.quantized_weights=true",
                           "model.net.n_layer=2"]) == 0
     assert "ZeRO-3 + qwZ" in capsys.readouterr().out
+    # hybrid sharding: the model state of a shard group of 2, as estimate_memory gives it for 2 ranks
+    assert zero_estimate(["world_size=8", "comm.devices_per_node=2", "strategy=zero3", "model.net.n_layer=2",
+                          "strategy.shard_group_size=node"]) == 0
+    printed = capsys.readouterr().out
+    assert "sharded over shard groups of 2 ranks (shard_group_size), 4 replicas" in " ".join(printed.split())
+    stage3 = next(line for line in printed.splitlines() if line.startswith("│ 3 *"))
+    numel = sum(p.numel() for p in net.parameters())
+    assert format_bytes(estimate_memory(numel, 3, 2)["total"]) in stage3
 
 
 def test_the_apps_comm_stats_callback_refuses_an_unknown_key_at_construction():

@@ -248,27 +248,34 @@ VARIANTS: tuple[tuple[str, int, dict], ...] = (
     ("ZeRO-3", 3, {}),
     ("ZeRO-3 + qwZ", 3, {"quantized_weights": True}),
     ("ZeRO-3 + hpZ", 3, {"secondary_partition_size": "node"}),
+    ("ZeRO-2 + HSDP", 2, {"shard_group_size": "node"}),
+    ("ZeRO-3 + HSDP", 3, {"shard_group_size": "node"}),
+    ("ZeRO-3 + HSDP + qwZ", 3, {"shard_group_size": "node", "quantized_weights": True}),
+    ("ZeRO-3 + HSDP + qgZ int4", 3, {"shard_group_size": "node", "quantized_gradients": "int4"}),
     ("ZeRO-3 + qgZ int8", 3, {"quantized_gradients": "int8"}),
     ("ZeRO-3 + qgZ int4", 3, {"quantized_gradients": "int4"}),
     ("ZeRO++ (qwZ+hpZ+qgZ4)", 3, {"quantized_weights": True, "secondary_partition_size": "node",
                                           "quantized_gradients": "int4"}),
 )
-"""The stage and option combinations ``zero-estimate`` prints ("node": the ranks per node)."""
+"""The stage and option combinations ``zero-estimate`` prints ("node": the ranks per node; HSDP:
+shard_group_size, MiCS)."""
 
 
 def variant_rows(module: nn.Module, base: ZeroConfig, world_size: int, ranks_per_node: int, link: Links,
                  **kwargs) -> list[dict]:
     """Predicted bytes (``stats``, and per phase: ``phases``) and time per step for each of
-    ``VARIANTS`` (those that make sense on this layout: hpZ needs several ranks per node), from
-    ``base``'s other settings; ``kwargs`` go to ``predict_step_bytes``."""
+    ``VARIANTS`` (those that make sense on this layout: hpZ and HSDP need several nodes of several
+    ranks), from ``base``'s other settings; ``kwargs`` go to ``predict_step_bytes``."""
     rows = []
     for name, stage, options in VARIANTS:
         options = dict(options)
-        if options.get("secondary_partition_size") == "node":
+        if "node" in (options.get("secondary_partition_size"), options.get("shard_group_size")):
             if ranks_per_node < 2 or ranks_per_node == world_size:
-                continue  # a secondary group inside one node changes nothing or cannot exist here
-            options["secondary_partition_size"] = ranks_per_node
+                continue  # a group inside one node changes nothing or cannot exist here
+            if options.get("secondary_partition_size") == "node":
+                options["secondary_partition_size"] = ranks_per_node
         fields = dict(stage=stage, quantized_weights=False, quantized_gradients=None, secondary_partition_size=None,
+                      shard_group_size=None,
                       offload_params=base.offload_params and stage == 3,
                       local_accumulation=base.local_accumulation and stage >= 2)
         config = replace(base, **{**fields, **options})

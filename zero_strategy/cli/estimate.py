@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from rich.table import Table
 
 from ..comm_model import DEFAULT_CLUSTER, Links, links, variant_rows
+from ..engine.hybrid import resolve_shard_group_size
 from ..config import ZeroConfig
 from ..frontend.options import engine_arguments
 from ..memory import PRECISION_DTYPES, estimate_memory, normalize_precision
@@ -136,7 +137,9 @@ def print_comm(rows: list[dict], num_params: int, world_size: int, per_node: int
               f"nodes ({link.source}). Bytes are those the ring (or all-to-all) algorithm makes each rank send, on "
               "NCCL; a collective over ranks of several nodes counts as inter-node. Time is bytes over bandwidth, "
               "nothing overlapped with compute (ms). qwZ: quantized_weights (int8), hpZ: "
-              "secondary_partition_size = devices per node, qgZ: quantized_gradients (qgZ4: int4).")
+              "secondary_partition_size = devices per node, qgZ: quantized_gradients (qgZ4: int4), HSDP: "
+              "shard_group_size = devices per node (DeepSpeed's MiCS), with accumulation all-reduced across "
+              "nodes once per step.")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -166,8 +169,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     net = build_network(cfg.model)
     num_params = sum(p.numel() for p in net.parameters())
     stage = cfg.strategy.get("stage", 0) if "zero" in str(cfg.strategy.get("_target_", "")).lower() else 0
-    print_estimates(estimate_rows(num_params, world_size, precision, cfg.offload, base), num_params, world_size,
-                    precision, stage, cfg.offload)
+    # hybrid sharding: the model state is sharded over the shard group (see [Note: hybrid sharding])
+    shards = resolve_shard_group_size(base.shard_group_size, world_size, per_node) or world_size
+    print_estimates(estimate_rows(num_params, shards, precision, cfg.offload, base), num_params, shards,
+                    precision, stage, cfg.offload, replicas=world_size // shards)
     if world_size > 1:
         rows = variant_rows(net, base, world_size, per_node, link, dtype=PRECISION_DTYPES[precision],
                             loss_scaling=precision == "16-mixed", clipping=bool(cfg.trainer.get("gradient_clip_val")),

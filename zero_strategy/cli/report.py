@@ -82,10 +82,12 @@ def print_final(metrics: Mapping[str, float], extras: Mapping[str, Any]) -> None
 
 
 def print_estimates(rows: Sequence[Mapping[str, Any]], num_params: int, world_size: int, precision: str,
-                    configured_stage: Optional[int], show_host: bool) -> None:
-    """One row per stage (and offload variant): bytes per rank from ``estimate_memory``."""
-    table = Table(title=f"Estimated model-state memory per rank: {num_params:,} parameters, "
-                        f"{world_size} ranks, {precision}")
+                    configured_stage: Optional[int], show_host: bool, replicas: int = 1) -> None:
+    """One row per stage (and offload variant): bytes per rank from ``estimate_memory``; ``world_size``
+    ranks shard it, ``replicas`` times over (hybrid sharding's shard groups)."""
+    ranks = f"{world_size} ranks" if replicas == 1 else \
+        f"sharded over shard groups of {world_size} ranks (shard_group_size), {replicas} replicas"
+    table = Table(title=f"Estimated model-state memory per rank: {num_params:,} parameters, {ranks}, {precision}")
     table.add_column("stage", no_wrap=True)
     table.add_column("offload", no_wrap=True)
     for key in (*KEYS, "total"):

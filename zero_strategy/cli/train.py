@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import LambdaCallback
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf import DictConfig, read_write
 
 from .callbacks import MemoryTable, Throughput
 from .configs import config_dir, register_resolvers
