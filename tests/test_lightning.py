@@ -83,6 +83,7 @@ ZERO_CASES = {  # what each strategy's tests read
     "zero2-offload-overlap": ("plain", "clip", "accumulate", "resume"),  # test_offload_overlap.py's
     "zero2-local": ("accumulate",),  # local_accumulation
     "zero3-linear-local": ("accumulate",),
+    "zero3-linear-hsdp": ("accumulate", "resume"),  # shard_group_size: test_hybrid.py's engine tests, here the Trainer
 }
 
 
@@ -214,6 +215,18 @@ def test_local_accumulation_matches_ddp_and_reduces_once_per_step(tmp_root, stag
     for z, plain, every in zip(local, usual["plain"], usual["accumulate"]):
         assert z["comm"]["reduce_scatter"] == plain["comm"]["reduce_scatter"] > 0  # one micro-batch's worth
         assert every["comm"]["reduce_scatter"] == 4 * z["comm"]["reduce_scatter"]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_hybrid_sharding_accumulates_and_resumes_as_ddp(tmp_root):
+    """ZeroStrategy(shard_group_size=1) on 2 ranks: ZeRO within each rank, the gradient shards
+    all-reduced across the two once per optimizer step (replica_all_reduce="boundary"), a sharded
+    checkpoint written by the first group and resumed."""
+    runs = zero_runs(tmp_root, "zero3-linear-hsdp")
+    assert_same_run(runs["accumulate"], ddp_run(tmp_root, "--accumulate", "4"))
+    assert_comm_stats_predicted(runs["accumulate"], accumulation_steps=4)
+    assert all(z["comm"]["all_gather"] == z["comm"]["reduce_scatter"] == 0 for z in runs["accumulate"])
+    assert_same_run(runs["resume"], ddp_run(tmp_root, "--stop-at", "5"))
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT)

@@ -135,6 +135,8 @@ def strategy(name: str):
         return ZeroStrategy(stage=2, offload_optimizer=True, offload_overlap=True)
     if name == "zero2-local":  # local accumulation: one reduction per optimizer step
         return ZeroStrategy(stage=2, local_accumulation=True)
+    if name == "zero3-linear-hsdp":  # hybrid sharding: shard groups of one rank, replicated twice
+        return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0, shard_group_size=1)
     if name == "zero3-linear-local":
         return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0,
                             local_accumulation=True)
