@@ -169,8 +169,35 @@ def _checkpoints(rank: int, folder: Path) -> dict:
     return out
 
 
+def _pretrained(rank: int, folder: Path) -> dict:
+    """Weights from a safetensors file straight into the shards of a shard group (sharded_init, then
+    load_pretrained), then trained: the file holds the seed-0 model DDP starts from."""
+    from safetensors.torch import save_file
+
+    from zero_strategy.frontend.precision import WorkingPrecision
+    from zero_strategy.frontend.setup import setup_engine
+    from zero_strategy.pretrained import load_pretrained, sharded_init
+
+    path = folder / "pretrained.safetensors"
+    if rank == 0:
+        torch.manual_seed(0)
+        save_file(Net().state_dict(), str(path))
+    dist.barrier()
+    torch.manual_seed(5)  # another init: every weight must come from the file
+    with sharded_init():
+        model = Net()
+    load_pretrained(model, path)
+    config = _config(3, shard_group_size=2)
+    engine = setup_engine(model, config, WorkingPrecision(), Collectives(ranks_per_node=PER_NODE),
+                          torch.device("cpu"), lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2)])
+    sharded = all(p.numel() == 0 for u in engine.sharder.units for g in u.groups for p in g.params)
+    _train(model, engine.optimizers[0], rank, 0, STEPS)
+    return {"params": _params(model), "sharded": sharded}
+
+
 def _all(rank: int, world_size: int, folder: str) -> dict:
-    out = {"ddp": _ddp(rank), "ddp-clip": _ddp(rank, clip=True), "ddp-accumulating": _ddp(rank, accumulate=True)}
+    out = {"pretrained": _pretrained(rank, Path(folder))}
+    out.update({"ddp": _ddp(rank), "ddp-clip": _ddp(rank, clip=True), "ddp-accumulating": _ddp(rank, accumulate=True)})
     for name, (stage, options, last_deferred) in ACCUMULATING.items():
         model, opt, sharder = _build(stage, **options)
         _train_accumulating(model, opt, rank, last_deferred)
@@ -239,6 +266,13 @@ def test_accumulating_equals_ddp_and_the_boundary_all_reduces_once_per_step(runs
     once = predict_step_bytes(model, _config(stage, shard_group_size=2), WORLD, PER_NODE)  # one micro-batch
     replica_sums = ACCUM if options.get("replica_all_reduce") == "every_backward" else 1
     assert want["inter_node"] - mask == replica_sums * (once["inter_node"] - mask) > 0
+
+
+@pytest.mark.timeout(300)
+def test_pretrained_weights_load_into_the_shard_groups_and_train_as_ddp(runs):
+    for rank in range(WORLD):
+        assert runs[rank]["pretrained"]["sharded"]
+        _close(runs[rank]["pretrained"]["params"], runs[rank]["ddp"], 1e-5)
 
 
 @pytest.mark.timeout(300)
