@@ -139,6 +139,8 @@ ACCUMULATING = {
     "acc-s3-all-deferred": (3, {"shard_group_size": 2}, True),
     "acc-s3-local": (3, {"shard_group_size": 2, "local_accumulation": True}, False),
     "acc-s2-offload": (2, {"shard_group_size": 2, "offload_optimizer": True}, False),  # host shards
+    "acc-s2-overlap-all-deferred": (2, {"shard_group_size": 2, "offload_optimizer": True, "offload_overlap": True},
+                                    True),  # the host step started on a shard the step's all-reduce then changes
 }
 
 

@@ -372,6 +372,8 @@ class ShardedGradientReducer(GradientReducer):
                 self.replicas.all_reduce(shard, what=lambda: f"all-reduce across the shard groups of the "
                                                              f"{self._describe(gi, si)}, deferred to the step")
                 target.copy_(shard)
+                if self.host_listener is not None:  # what it stepped from this segment is superseded
+                    self.host_listener.segment_ready(gi, si, self.received[gi])
             self.replica_sum.unsynced.clear()
 
     def _replicas_plan(self, key: tuple[int, int], accumulate: bool,
