@@ -23,6 +23,7 @@ from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
 from zero_strategy.engine.comm_volume import sent_bytes
 from zero_strategy.engine.hybrid import HybridMesh, resolve_shard_group_size
+from zero_strategy.memory import estimate_memory, memory_stats
 
 from .distributed import run_distributed
 
@@ -209,7 +210,9 @@ def _all(rank: int, world_size: int, folder: str) -> dict:
         _train(model, opt, rank, 0, STEPS, clip)
         out[name] = {"params": _params(model), "stats": opt.comm_stats(),
                      "groups": (opt.sharder.hybrid.shard.global_ranks, opt.sharder.hybrid.replicate.global_ranks)}
-        if name == "s3":  # what a Hugging Face export gathers over all ranks, one tensor at a time
+        if name == "s3":
+            out[name]["memory"] = memory_stats(model, [opt])
+            # what a Hugging Face export gathers over all ranks, one tensor at a time
             source = LiveSource(model, flat_groups([opt], sharder), Collectives(), writes_shards([opt], sharder))
             out[name]["exported"] = {key: source.fetch(key) for key in model.state_dict()}
     dist.barrier()
@@ -275,6 +278,16 @@ def test_pretrained_weights_load_into_the_shard_groups_and_train_as_ddp(runs):
     for rank in range(WORLD):
         assert runs[rank]["pretrained"]["sharded"]
         _close(runs[rank]["pretrained"]["params"], runs[rank]["ddp"], 1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_memory_per_rank_follows_the_formula_with_the_shard_group_in_place_of_the_world(runs):
+    numel = sum(p.numel() for p in runs[0]["ddp"].values())
+    over_group, over_world = estimate_memory(numel, 3, 2)["total"], estimate_memory(numel, 3, WORLD)["total"]
+    for rank in range(WORLD):
+        held = runs[rank]["s3"]["memory"]["total"]
+        assert over_group <= held <= 1.01 * over_group  # the segments' padding on top
+        assert held > 1.9 * over_world  # twice what sharding over all 4 would hold
 
 
 @pytest.mark.timeout(300)
