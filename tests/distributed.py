@@ -16,6 +16,10 @@ must behave as it would on fresh processes:
   for it in a collective fails at once with its own traceback; a rank that has not answered
   ``GRACE_S`` after another failed, or by the call's deadline, has its stack dumped and the pool is
   killed; the next call starts a new one.
+- a worker that dies of a signal (a native crash: glibc aborts on finding its heap corrupted) fails
+  the call with the Python stacks of its threads at the crash, which faulthandler writes to the
+  worker's stack file; the corruption may have been made by an earlier call in the same process,
+  so the failure is where to start looking, not necessarily the culprit.
 What a pool cannot undo is process-wide state fixed at start-up (variables read when a process
 starts, such as ``MALLOC_*``, or a measured peak resident set): such tests pass ``fresh=True``.
 """
