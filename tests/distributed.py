@@ -16,6 +16,10 @@ must behave as it would on fresh processes:
   for it in a collective fails at once with its own traceback; a rank that has not answered
   ``GRACE_S`` after another failed, or by the call's deadline, has its stack dumped and the pool is
   killed; the next call starts a new one.
+- a worker that dies of a signal (a native crash: glibc aborts on finding its heap corrupted) fails
+  the call with the Python stacks of its threads at the crash, which faulthandler writes to the
+  worker's stack file; the corruption may have been made by an earlier call in the same process,
+  so the failure is where to start looking, not necessarily the culprit.
 What a pool cannot undo is process-wide state fixed at start-up (variables read when a process
 starts, such as ``MALLOC_*``, or a measured peak resident set): such tests pass ``fresh=True``.
 """
@@ -156,6 +160,7 @@ def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: st
         stacks.seek(0)
         stacks.truncate()
         faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
+        faulthandler.enable(file=stacks, all_threads=True)  # a native crash (SIGSEGV, SIGABRT) writes its stack too
         try:
             fresh.restore({**env, **dist_env}, cwd)
             fn, args = pickle.loads(payload)
@@ -271,16 +276,24 @@ class _Pool:
             if rank not in results:
                 code = self.procs[rank].exitcode
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                results[rank] = (None, f"the worker process died ({how}) without a result")
+                results[rank] = (None, f"the worker process died ({how}) without a result. Its stack then:\n"
+                                       f"{self._written_stack(rank)}")
 
     def _stack(self, rank: int) -> str:
         p = self.procs[rank]
         if p.exitcode is not None:
-            return f"(the process had ended: exit code {p.exitcode})"
+            return f"(the process had ended: exit code {p.exitcode})\n{self._written_stack(rank)}"
         os.kill(p.pid, STACK_SIGNAL)
         time.sleep(0.5)  # faulthandler writes from its signal handler, even in a blocked collective
-        with open(self._stack_path(rank)) as f:
-            return f.read() or "(no stack written)"
+        return self._written_stack(rank)
+
+    def _written_stack(self, rank: int) -> str:
+        """What faulthandler wrote for this call: the stack asked for, or that of a fatal signal."""
+        try:
+            with open(self._stack_path(rank)) as f:
+                return f.read() or "(no stack written)"
+        except OSError:
+            return "(no stack written)"
 
     def close(self) -> None:
         """Ask the workers to leave the group and end; kill those that do not within 10 s."""

@@ -18,14 +18,25 @@ CUDA path, unless the backend is forced to torch (``set_backend("torch")``), as 
 ``ops.launch`` is the one place a kernel starts; the emulator counts each launch by its full name
 (``adam_step<bf16_t, bf16_t>``: the gradient and output dtypes the launch read and wrote).
 Everything is put back on exit, so a pooled worker process (tests/distributed.py) is left as it was.
+
+[Note: the emulator's address check]
+The emulator writes through raw addresses into host memory, as the kernels write into device memory.
+An address whose tensor was freed before the launch (a temporary whose only reference was dropped
+while its address sat in a table) or a length past a tensor's end would write into glibc's heap
+here, corrupting it for whatever runs next in the process (a pooled worker runs other test files
+after this one), and into another tensor's memory on a GPU. So every byte range the emulator reads
+or writes must lie inside a tensor that the launching function holds at the launch (its locals:
+tensors, and lists, tuples and dicts of them, two levels deep: the per-role lists of a table), and
+a range that does not fails the launch, naming the kernel and the range.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import sys
 from collections import Counter
-from typing import Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 import torch
@@ -35,10 +46,46 @@ _ROLES = {"fused_adam": (5, 2), "fused_sgd": (4, 0), "grad_norm": (1, 0)}
 """Per source: (pointer roles, float64 scalar rows) of its table, as in the .cu file's enums."""
 
 
+_held: Optional[list[tuple[int, int]]] = None
+"""While a kernel is emulated: the [start, end) byte ranges of the tensors its launcher holds
+(see [Note: the emulator's address check])."""
+_launching = ""  # the kernel being emulated, for the check's message
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t``'s elements span: from its first element to just past its last (strides included)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def held_ranges(values: Any, depth: int = 3) -> list[tuple[int, int]]:
+    """The extents of the host tensors among ``values`` (a frame's locals), in lists, tuples and dicts
+    down to ``depth`` levels."""
+    found: list[tuple[int, int]] = []
+    if isinstance(values, torch.Tensor):
+        if values.device.type == "cpu" and values.numel():
+            found.append(_extent(values))
+    elif depth and isinstance(values, (list, tuple, dict)):
+        for v in values.values() if isinstance(values, dict) else values:
+            found.extend(held_ranges(v, depth - 1))
+    return found
+
+
 def _memory(address: int, dtype: torch.dtype, begin: int, end: int) -> torch.Tensor:
-    """Elements [begin, end) of the ``dtype`` array at ``address`` (host memory), as a tensor over it."""
+    """Elements [begin, end) of the ``dtype`` array at ``address`` (host memory), as a tensor over it,
+    once the range is found inside a tensor the launcher holds (see [Note: the emulator's address check])."""
     size = torch.empty(0, dtype=dtype).element_size()
-    raw = (ctypes.c_char * ((end - begin) * size)).from_address(int(address) + begin * size)
+    start, stop = int(address) + begin * size, int(address) + end * size
+    if _held is None:
+        raise AssertionError("the emulator reads memory only inside a launch (emulated_kernels' launch), which "
+                             "knows the tensors the launcher holds")
+    if not any(lo <= start and stop <= hi for lo, hi in _held):
+        raise AssertionError(
+            f"{_launching}: bytes [{start:#x}, {stop:#x}) ({stop - start} bytes of {dtype}) lie inside no tensor "
+            "the launching function holds: a freed tensor's address, or a length past a tensor's end. On a GPU "
+            "the kernel would write into other memory; keep every tensor whose address is in the table or the "
+            "arguments alive until the launch, and check the lengths against the tensors.")
+    raw = (ctypes.c_char * (stop - start)).from_address(start)
     return torch.frombuffer(raw, dtype=dtype)
 
 
@@ -202,9 +249,14 @@ def emulated_kernels() -> Iterator[Counter]:
     launched: Counter = Counter()
 
     def launch(stem, name, device, grid, block, args):
+        global _held, _launching
         if grid:
             launched[name] += 1
-            emulate(stem, name, device, grid, block, args)
+            _held, _launching = held_ranges(sys._getframe(1).f_locals), name  # the caller: the ops.py function
+            try:
+                emulate(stem, name, device, grid, block, args)
+            finally:
+                _held, _launching = None, ""
 
     def available(tensor: torch.Tensor) -> bool:  # loader.available, with host memory standing in for CUDA
         return loader.backend() == "auto"

@@ -85,6 +85,12 @@ def _die_on_rank_1(rank, world_size):
     return rank
 
 
+def _abort_on_rank_1(rank, world_size):
+    if rank == 1:
+        os.abort()  # what glibc does on finding its heap corrupted
+    return rank
+
+
 @pytest.mark.timeout(180)
 def test_a_failure_a_hang_and_a_death_fail_the_call_and_the_next_call_works():
     first_pool = run_distributed(_pid_and_sum, 2, 0)[0][0]
@@ -98,6 +104,10 @@ def test_a_failure_a_hang_and_a_death_fail_the_call_and_the_next_call_works():
         run_distributed(_hang_on_rank_1, 2, timeout_s=3)
     with pytest.raises(RuntimeError, match=r"rank 1:\nthe worker process died \(exit code 3\)"):
         run_distributed(_die_on_rank_1, 2)
+    # a native crash comes with the Python stack it happened in (faulthandler's, written by the worker)
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1:\nthe worker process died \(signal SIGABRT\).*Fatal Python "
+                                           r"error: Aborted.*_abort_on_rank_1"):
+        run_distributed(_abort_on_rank_1, 2)
     pid, total = run_distributed(_pid_and_sum, 2, 1)[0]
     assert total == 3.0 and pid not in (first_pool, second_pool)
 

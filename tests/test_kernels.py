@@ -280,3 +280,51 @@ def test_launch_path_optimizer_step_keeps_torch_state(emulated_device, make):
         for key in sa:
             assert sa[key].dtype == sb[key].dtype and sa[key].device == sb[key].device
             torch.testing.assert_close(sa[key], sb[key], rtol=1e-6, atol=1e-7)
+
+
+# ---- the emulator's address check (see [Note: the emulator's address check]) -------------------
+
+def _launch_norm_partials(holds: list[torch.Tensor], entries: list[tuple[int, int]], numels: list[int]) -> None:
+    """A grad_norm_partials launch over fp32 arrays at ``entries`` (address, element size) of ``numels``
+    elements, as ops.grad_norm_and_overflow makes it, by a launcher that holds ``holds``."""
+    from zero_strategy.kernels import ops  # noqa: PLC0415
+
+    np = ops._np()
+    table, grid = ops._table(torch.device("cpu"), [entries], numels)
+    partials, flags = torch.empty(grid), torch.empty(grid, dtype=torch.uint8)
+    ops.launch("grad_norm", "grad_norm_partials<float>", torch.device("cpu"), grid, ops.THREADS, (
+        np.uint64(table.data_ptr()), np.int32(len(numels)), np.int64(ops.CHUNK), np.int32(0),
+        np.uint64(partials.data_ptr()), np.uint64(flags.data_ptr()), np.int64(0)))
+
+
+def test_the_emulator_refuses_memory_the_launch_does_not_hold(emulated_device):
+    held = torch.ones(1000)
+    _launch_norm_partials([held], [(held.data_ptr(), 4)], [1000])  # what the launcher holds: fine
+    assert emulated_device == {"grad_norm_partials<float>": 1}
+    freed = torch.ones(1000)
+    address = freed.data_ptr()
+    del freed  # its address sits in the table of a launch that no longer holds it
+    with pytest.raises(AssertionError, match="inside no tensor the launching function holds"):
+        _launch_norm_partials([held], [(address, 4)], [1000])
+    with pytest.raises(AssertionError, match="inside no tensor the launching function holds"):
+        _launch_norm_partials([held], [(held.data_ptr(), 4)], [1001])  # one element past its end
+
+
+def test_the_quantize_kernels_refuse_an_output_they_would_overrun(emulated_device):
+    from zero_strategy.engine.quantize import QuantSpec, code_bytes, packed_row_bytes  # noqa: PLC0415
+    from zero_strategy.kernels import ops  # noqa: PLC0415
+
+    spec, numel = QuantSpec(8, 16), 40
+    x, packed = torch.randn(3, numel), torch.empty(3, packed_row_bytes(numel, spec), dtype=torch.uint8)
+    codes = code_bytes(numel, spec)
+    assert ops.quantize_rows(x, 8, 16, packed, codes)
+    with pytest.raises(ValueError, match=r"out must be uint8 of shape \(3, 52\)"):
+        ops.quantize_rows(x, 8, 16, packed[:2], codes)  # two rows for three
+    with pytest.raises(ValueError, match=r"out must be of shape \(3, 40\)"):
+        ops.dequantize_rows(packed, numel, 8, 16, codes, torch.empty(2, numel))  # two rows for three
+    with pytest.raises(ValueError, match=r"out must be of shape \(3, 40\)"):
+        ops.dequantize_rows(packed, numel, 8, 16, codes, torch.empty(3, 48)[:, :39])  # rows too short
+    with pytest.raises(ValueError, match=r"out must have 40 elements"):
+        ops.dequantize_sum(packed, numel, 8, 16, codes, torch.empty(39))
+    with pytest.raises(ValueError, match=r"packed rows of 52 bytes"):
+        ops.dequantize_sum(packed, numel, 8, 16, codes + 4, torch.empty(numel))  # codes and scales overrun a row

@@ -237,10 +237,24 @@ def grad_norm_and_overflow(tensors: Sequence[torch.Tensor], norm_type: float = 2
 # cuda/quantize.cu when the kernels take the tensors, and return False (having done nothing) when
 # they do not, so the caller runs the reference.
 
-def _packed_shape(packed: torch.Tensor, numel: int, block: int, codes_len: int) -> tuple:
-    """The (rows, numel, block, row bytes, codes bytes) arguments the dequantizing kernels start with."""
+def _row_bytes(what: str, numel: int, bits: int, block: int, codes_len: int) -> int:
+    """Bytes of a packed row of ``numel`` elements: ``codes_len`` of codes, then an fp32 scale per block.
+    The kernels write and read exactly there, so a layout that does not fit fails here, not past a buffer."""
+    if codes_len < -(-numel * bits // 8):
+        raise ValueError(f"{what}: {codes_len} code bytes cannot hold {numel} codes of {bits} bits; pass "
+                         "code_bytes(numel, spec) (zero_strategy/engine/quantize.py).")
+    return codes_len + 4 * -(-numel // block)
+
+
+def _packed_shape(what: str, packed: torch.Tensor, numel: int, bits: int, block: int, codes_len: int) -> tuple:
+    """The (rows, numel, block, row bytes, codes bytes) arguments the dequantizing kernels start with,
+    once ``packed`` is found to hold rows of that layout."""
     np = _np()
     rows, row_bytes = packed.shape
+    if row_bytes != _row_bytes(what, numel, bits, block, codes_len):
+        raise ValueError(f"{what}: packed rows of {row_bytes} bytes do not hold {numel} elements at {bits} bits "
+                         f"in blocks of {block} ({_row_bytes(what, numel, bits, block, codes_len)} bytes); pass the "
+                         "rows quantize_rows made for these elements.")
     return np.int64(rows), np.int64(numel), np.int64(block), np.int64(row_bytes), np.int64(codes_len)
 
 
@@ -255,6 +269,10 @@ def quantize_rows(x: torch.Tensor, bits: int, block: int, out: torch.Tensor, cod
         return False
     rows, numel = x.shape
     nblocks, qmax, name = -(-numel // block), 2 ** (bits - 1) - 1, CUDA_TYPE_NAMES[x.dtype]
+    shape = (rows, _row_bytes("quantize_rows", numel, bits, block, codes_len))
+    if out.dim() != 2 or tuple(out.shape) != shape:  # the kernels write every byte of that shape
+        raise ValueError(f"quantize_rows: out must be uint8 of shape {shape} for x of shape {tuple(x.shape)}; got "
+                         f"{tuple(out.shape)}. Allocate it with packed_row_bytes (zero_strategy/engine/quantize.py).")
     np = _np()
     row_bytes, device = out.shape[1], x.device
     launch("quantize", f"quant_scales<{name}>", device, rows * nblocks, THREADS, (
@@ -275,7 +293,10 @@ def dequantize_rows(packed: torch.Tensor, numel: int, bits: int, block: int, cod
     if out.dim() != 2 or out.stride(1) != 1 or not _kernels_take(packed, [([packed], (torch.uint8,)),
                                                                            ([out.select(0, 0)], tuple(CUDA_TYPE_NAMES))]):
         return False
-    np, shape = _np(), _packed_shape(packed, numel, block, codes_len)
+    np, shape = _np(), _packed_shape("dequantize_rows", packed, numel, bits, block, codes_len)
+    if tuple(out.shape) != (packed.shape[0], numel):  # the kernel writes a row of numel per packed row
+        raise ValueError(f"dequantize_rows: out must be of shape {(packed.shape[0], numel)} (a row of {numel} "
+                         f"elements per packed row); got {tuple(out.shape)}.")
     grid = -(-packed.shape[0] * numel // THREADS)
     launch("quantize", f"dequant_rows<{CUDA_TYPE_NAMES[out.dtype]}, {bits}>", packed.device, grid, THREADS, (
         np.uint64(packed.data_ptr()), *shape, np.uint64(out.data_ptr()), np.int64(out.stride(0))))
@@ -288,7 +309,9 @@ def dequantize_sum(packed: torch.Tensor, numel: int, bits: int, block: int, code
     """``out`` (``numel`` fp32) = the sum over rows of ``packed``'s values, in fp32, row 0 first."""
     if not _kernels_take(packed, [([packed], (torch.uint8,)), ([out], (torch.float32,))]):
         return False
-    np, shape = _np(), _packed_shape(packed, numel, block, codes_len)
+    np, shape = _np(), _packed_shape("dequantize_sum", packed, numel, bits, block, codes_len)
+    if out.numel() != numel:
+        raise ValueError(f"dequantize_sum: out must have {numel} elements (the sum of the rows); got {out.numel()}.")
     launch("quantize", f"dequant_sum<{bits}>", packed.device, -(-numel // THREADS), THREADS, (
         np.uint64(packed.data_ptr()), *shape, np.uint64(out.data_ptr())))
     return True
