@@ -150,9 +150,10 @@ def nearest_codes(normal: torch.Tensor, signed: bool, out: Optional[torch.Tensor
     limit -= low
     limit >>= 31  # -1 where the value lies above the bin's midpoint
     packed &= 0xFF
+    packed -= limit
     if out is None:
-        return (packed - limit).view(normal.shape)
-    return torch.sub(packed, limit, out=out.view(-1))
+        return packed.view(normal.shape)
+    return out.view(-1).copy_(packed)  # an int32 subtraction and a narrowing copy: faster than sub(out=uint8)
 
 
 def max_code_gap(signed: bool) -> float:
@@ -227,16 +228,16 @@ class Int8State:
         pad = -n % self.block
         blocks = (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(-1, self.block)
         scales = self.scales[lo // self.block: lo // self.block + blocks.shape[0]]
-        if self.signed:
-            torch.amax(blocks.abs(), dim=1, out=scales)
+        normal = (torch.empty(n + pad, dtype=torch.float32, device=x.device)
+                  if scratch is None or scratch.numel() < n + pad else scratch.view(-1)[: n + pad])
+        if self.signed:  # the magnitudes go through the scratch, which the normalised values overwrite
+            torch.amax(torch.abs(blocks, out=normal.view(-1, self.block)), dim=1, out=scales)
         else:
             torch.amax(blocks, dim=1, out=scales)
             if bool((torch.amin(blocks, dim=1) < 0).any()):  # one sync per range: the map has no negative codes
                 raise ValueError("the unsigned int8 map stores non-negative state (a second moment); a negative "
                                  "value needs the signed map")
         safe = torch.where(scales > 0, scales, 1.0)  # a block of zeros: its codes are zero's
-        normal = (torch.empty(n + pad, dtype=torch.float32, device=x.device)
-                  if scratch is None or scratch.numel() < n + pad else scratch.view(-1)[: n + pad])
         torch.div(blocks, safe[:, None], out=normal.view(-1, self.block))
         nearest_codes(normal[:n], self.signed, out=self.codes[lo: lo + n], checked_nonnegative=not self.signed)
 
