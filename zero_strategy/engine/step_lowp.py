@@ -68,8 +68,10 @@ from .tiled_step import CPU_TILE_NUMEL, copy_scalar, hooked_step, unhooked_step
 
 log = logging.getLogger(__name__)
 
-TILE_NUMEL = CPU_TILE_NUMEL
-"""Elements per tile: a multiple of every allowed int8 block (powers of two up to it)."""
+TILE_NUMEL = 4 * CPU_TILE_NUMEL
+"""Elements per tile: a multiple of every allowed int8 block (powers of two up to it). Four times the
+fp32 step's tile: the encodings' passes are a few dozen torch calls per tile, whose overhead larger
+tiles share out; past this, each pass's temporaries (8 MiB of int32 at 1 << 21) cost more than that."""
 
 INT8_STATE: dict[type, dict[str, bool]] = {
     torch.optim.Adam: {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False},
