@@ -9,7 +9,7 @@ at most 1.3x the fp32-state step (paired ratios, median over rounds).
 
     python benchmarks/bench_lowp_step.py                              # 25M parameters, 7 rounds
     python benchmarks/bench_lowp_step.py --params-millions 1 --rounds 2   # a quick check that it runs
-    python benchmarks/bench_lowp_step.py --compiled --clock cpu       # with the compiled int8 encode; CPU time
+    python benchmarks/bench_lowp_step.py --clock cpu                  # the thread's CPU time: a shared machine
 
 Timing: run it on a quiet machine; figures in benchmarks/RESULTS.md ("Low-precision step time").
 """
@@ -26,30 +26,14 @@ import torch
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroOptimizer
-from zero_strategy.engine import lowp
 
 VARIANTS = {"fp32 state": {}, "bf16 state": {"optimizer_state_dtype": "bf16"},
             "int8 state": {"optimizer_state_dtype": "int8"},
             "int8 state, bf16 masters": {"optimizer_state_dtype": "int8", "master_weights_dtype": "bf16"}}
-COMPILED = {"int8 state, compiled encode": {"optimizer_state_dtype": "int8"},
-            "int8 state, bf16 masters, compiled encode": {"optimizer_state_dtype": "int8",
-                                                          "master_weights_dtype": "bf16"}}
-"""With ``--compiled``: the int8 variants again with ZERO_STRATEGY_COMPILED_INT8's encode (switched on
-around their steps only; see [Note: the compiled encode] in engine/lowp.py)."""
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 """``--clock cpu`` times the thread's CPU time: on a machine shared with other jobs, a step's wall time
 includes the time the scheduler gave the core to them (this benchmark runs one thread)."""
-
-
-def with_compiled_encode(step: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        lowp.COMPILED_ENCODE = True
-        try:
-            step()
-        finally:
-            lowp.COMPILED_ENCODE = False
-    return run
 
 
 def interleaved(steps_of: dict[str, Callable[[], None]], rounds: int,
@@ -73,23 +57,18 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compiled", action="store_true", help="add the int8 variants with the compiled encode")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     layers = max(1, round(args.params_millions * 1e6 / (args.width * args.width + args.width)))
     steps = {}
-    for name, options in {**VARIANTS, **(COMPILED if args.compiled else {})}.items():
+    for name, options in VARIANTS.items():
         torch.manual_seed(0)
         model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(layers))).bfloat16()
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), ZeroConfig(stage=1, **options))
         model(torch.randn(4, args.width).bfloat16()).float().square().mean().backward()
-        steps[name] = with_compiled_encode(opt.step) if name in COMPILED else opt.step
-    if args.compiled:  # the first compiled call compiles: timed apart from the warm-up of the rest
-        start = time.perf_counter()
-        steps["int8 state, compiled encode"]()
-        print(f"first step with the compiled encode (compiles both maps' kernels): {time.perf_counter() - start:.1f} s")
+        steps[name] = opt.step
     times = interleaved(steps, args.rounds, CLOCKS[args.clock])
     base = times["fp32 state"]
     params = layers * (args.width * args.width + args.width)
