@@ -19,7 +19,11 @@ must behave as it would on fresh processes:
 - a worker that dies of a signal (a native crash: glibc aborts on finding its heap corrupted) fails
   the call with the Python stacks of its threads at the crash, which faulthandler writes to the
   worker's stack file; the corruption may have been made by an earlier call in the same process,
-  so the failure is where to start looking, not necessarily the culprit.
+  so the failure is where to start looking, not necessarily the culprit;
+- a call must leave no process of its own running: one found after the call fails the call, and is
+  killed. (A Lightning Trainer or Fabric with devices=2 in a call, without LOCAL_RANK set, starts
+  its "rank 1" by rerunning this worker's command line, pytest's: a copy of the rest of the suite
+  ran in the background, competing for the cores, until test_hf_export.py set LOCAL_RANK.)
 What a pool cannot undo is process-wide state fixed at start-up (variables read when a process
 starts, such as ``MALLOC_*``, or a measured peak resident set): such tests pass ``fresh=True``.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import gc
+import glob
 import io
 import os
 import pickle
@@ -115,6 +120,48 @@ class _FreshState:
             loader.set_backend(None)  # back to $ZERO_STRATEGY_KERNELS, as at import
 
 
+def _running_children() -> dict[int, str]:
+    """This process's child processes that have not ended (zombies left out): pid -> command line.
+    Read from /proc (Linux); elsewhere none are seen. multiprocessing's resource tracker, started on
+    first use and kept for the process's life, is not the call's."""
+    found = {}
+    for listing in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            with open(listing) as f:
+                pids = [int(pid) for pid in f.read().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except (OSError, IndexError):
+                continue  # ended meanwhile
+            if state != "Z" and "multiprocessing.resource_tracker" not in command:
+                found[pid] = command
+    return found
+
+
+def _end_children_left(before: dict[int, str]) -> Optional[str]:
+    """Kill the child processes started during the call and still running; what to say, if any."""
+    left = {pid: command for pid, command in _running_children().items() if pid not in before}
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if not left:
+        return None
+    return (f"the call left {len(left)} process(es) running (killed now): "
+            + "; ".join(f"pid {pid}: {command[:300]}" for pid, command in left.items())
+            + ". A call must end what it starts. A Lightning Trainer or Fabric with devices > 1 starts its "
+              "other ranks by rerunning this worker's command line (pytest's) unless $LOCAL_RANK says the "
+              "processes exist already: os.environ.update(LOCAL_RANK=str(rank), NODE_RANK=\"0\") first, "
+              "as under torchrun.")
+
+
 def _group_usable(call_id: int, world_size: int) -> bool:
     """Every rank is done with this call and the default group still carries a collective."""
     if not dist.is_initialized():
@@ -161,6 +208,7 @@ def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: st
         stacks.truncate()
         faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
         faulthandler.enable(file=stacks, all_threads=True)  # a native crash (SIGSEGV, SIGABRT) writes its stack too
+        children = _running_children()
         try:
             fresh.restore({**env, **dist_env}, cwd)
             fn, args = pickle.loads(payload)
@@ -169,7 +217,12 @@ def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: st
             del fn, args
         except BaseException:  # noqa: BLE001 - shipped to the parent, which re-raises
             reports.put(("result", call_id, rank, None, traceback.format_exc()))
+            _end_children_left(children)
             break  # end as a fresh process would, so that peers waiting for this rank fail now
+        left = _end_children_left(children)
+        if left is not None:
+            reports.put(("result", call_id, rank, None, left))
+            break
         reports.put(("result", call_id, rank, result.getvalue(), None))
         del result
         gc.collect()  # the next call must not find this one's objects (or their hooks) alive

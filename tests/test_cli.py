@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,13 +18,15 @@ from zero_strategy import estimate_memory
 from zero_strategy.checkpoint import is_sharded_checkpoint
 from zero_strategy.cli.report import format_bytes
 
-from .cli_runs import assert_succeeded, clean_env, metric_rows, run_at_once, script, summaries, zero_train
+from .cli_runs import assert_succeeded, clean_env, finish, metric_rows, script, started, summaries
 
 CLI_CASES = Path(__file__).parent / "scripts" / "cli_cases.py"
 SMOKE = ("experiment=smoke",)  # a 6-step one-layer GPT: every part of a run, in seconds
 
 
-PRESETS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
+PRESETS = {"zero2": 2, "ddp": 0, "zero1": 1, "zero3": 3, "zero3_offload": 3}
+"""The multirun's jobs, in order: zero2 first, so that the resume from its checkpoint runs while the
+other jobs do (see ``launches``)."""
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +82,14 @@ def test_zero2_preset_and_what_a_run_prints(preset_sweep):
 
 
 @pytest.mark.timeout(420)
-def test_resume_from_last_checkpoint(tmp_path, preset_sweep):
-    ckpt = job_dir(preset_sweep[0], "zero2") / "checkpoints" / "last.ckpt"
-    proc = zero_train(tmp_path, *SMOKE, f"ckpt_path={ckpt}", "trainer.max_steps=9", f"hydra.run.dir={tmp_path / 'r'}")
+def test_resume_from_last_checkpoint(launches, preset_sweep):
+    # started by ``launches`` from the sweep's zero2 job's last.ckpt once that job had finished
+    proc, folder = launches["resume"]
+    assert_succeeded(proc)
+    assert f"ckpt_path={job_dir(preset_sweep[0], 'zero2') / 'checkpoints' / 'last.ckpt'}" in proc.args
     assert "Restored all states from the checkpoint" in proc.stderr
-    check_finished_run(tmp_path / "r", stage=2, steps=9)
-    logged_steps = [int(r["step"]) for r in metric_rows(tmp_path / "r") if r.get("train/loss")]
+    check_finished_run(folder / "r", stage=2, steps=9)
+    logged_steps = [int(r["step"]) for r in metric_rows(folder / "r") if r.get("train/loss")]
     assert min(logged_steps) >= 6 and max(logged_steps) == 8  # continued from step 6, not from 0
 
 
@@ -132,12 +137,14 @@ CONSOLE_CASE = "unknown key"  # also run through the console script, as the shel
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """This module's independent command lines, at once (see ``cli_runs.started``): the presets'
-    multirun; every line of ``QUICK`` in one process (tests/scripts/cli_cases.py: each as its
-    console script would run it, a bad override in a folder of its own); and ``CONSOLE_CASE``
-    through the real console script. name -> (the finished process, its folder)."""
+    """This module's command lines, at once (see ``cli_runs.started``): the presets' multirun;
+    every line of ``QUICK`` in one process (tests/scripts/cli_cases.py: each as its console script
+    would run it, a bad override in a folder of its own); ``CONSOLE_CASE`` through the real console
+    script; and, started once the multirun's zero2 job has finished (its first), a resume from that
+    job's last checkpoint to step 9, while the multirun's other jobs train. name -> (the finished
+    process, its folder)."""
     root = tmp_path_factory.mktemp("cli")
-    folders = {name: root / name for name in ("sweep", "quick", "console")}
+    folders = {name: root / name for name in ("sweep", "quick", "console", "resume")}
     for folder in folders.values():
         folder.mkdir()
     quick = [[*line, f"hydra.run.dir={folders['quick'] / name.split(': ', 1)[1] / 'run'}"] if name.startswith("bad")
@@ -150,7 +157,19 @@ def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
         "console": ([script("zero-train"), *BAD[CONSOLE_CASE][0], f"hydra.run.dir={folders['console'] / 'run'}"],
                     clean_env(), folders["console"]),
     }
-    return {name: (proc, folders[name]) for name, (proc, _) in run_at_once(commands, timeout=400).items()}
+    zero2 = job_dir(folders["sweep"] / "sweep", "zero2")
+    resume = {"resume": ([script("zero-train"), *SMOKE, f"ckpt_path={zero2 / 'checkpoints' / 'last.ckpt'}",
+                          "trainer.max_steps=9", f"hydra.run.dir={folders['resume'] / 'r'}"], clean_env(),
+                         folders["resume"])}
+    start = time.monotonic()
+    with started(commands) as procs:
+        # both ranks write their summary after fit, so after the checkpoint (a failed sweep: the
+        # resume fails too, and says why)
+        while procs["sweep"].poll() is None and not all((zero2 / f"summary_rank{r}.json").exists() for r in (0, 1)):
+            time.sleep(0.2)
+        with started(resume) as resumed:
+            done = finish({**procs, **resumed}, start, timeout=400)
+    return {name: (proc, folders[name]) for name, (proc, _) in done.items()}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,11 @@ def _front_ends(rank: int, folder: Path) -> dict:
     import lightning as L
 
     from zero_strategy import ZeroStrategy, gathered_parameters, initialize
+
+    # the processes exist already, as under torchrun: without LOCAL_RANK the Trainer and Fabric
+    # (devices=2) would each start a rank 1 per rank by rerunning this worker's command line, which
+    # is pytest's: two copies of the rest of the suite, left running in the background
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
 
     def gpt2() -> nn.Module:
         torch.manual_seed(2)
