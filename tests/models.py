@@ -5,6 +5,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zero_strategy.config import ZeroConfig
+
+
+class Block(nn.Module):
+    """A residual MLP block: a stage-3 unit of ``BlockNet`` (``shard_modules=("Block",)``)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.proj(torch.tanh(self.fc(x)))
+
+
+class BlockNet(nn.Module):
+    """An input layer of 8 features (the root unit at stage 3), three blocks (units), a head of 1."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def block_net_config(stage: int, **options) -> ZeroConfig:
+    """BlockNet's settings: each Block a unit at stage 3, nothing resident, several segments per group."""
+    stage3 = dict(shard_modules=("Block",), param_persistence_threshold=0) if stage == 3 else {}
+    return ZeroConfig(stage=stage, bucket_cap_mb=0.002, **stage3, **options)
+
 
 class OddMLP(nn.Module):
     """Odd sizes, a frozen layer, a layer used only in some steps, and one used on rank 0 only.

@@ -26,39 +26,9 @@ from zero_strategy.engine.hybrid import HybridMesh, resolve_shard_group_size
 from zero_strategy.memory import estimate_memory, memory_stats
 
 from .distributed import run_distributed
+from .models import BlockNet, block_net_config
 
-WORLD, PER_NODE, STEPS, WIDTH, ACCUM = 4, 2, 3, 16, 4
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, 2 * d)
-        self.proj = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.proj(torch.tanh(self.fc(x)))
-
-
-class Net(nn.Module):
-    """An input layer (the root unit at stage 3), three blocks (units), a head."""
-
-    def __init__(self, d: int = WIDTH) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-def _config(stage: int, **options) -> ZeroConfig:
-    stage3 = dict(shard_modules=("Block",), param_persistence_threshold=0) if stage == 3 else {}
-    return ZeroConfig(stage=stage, bucket_cap_mb=0.002, **stage3, **options)  # several segments per group
+WORLD, PER_NODE, STEPS, ACCUM = 4, 2, 3, 4
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,8 +38,8 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _build(stage: int, seed: int = 0, **options):
     torch.manual_seed(seed)
-    model = Net()
-    config = _config(stage, **options)
+    model = BlockNet()
+    config = block_net_config(stage, **options)
     comm = Collectives(ranks_per_node=PER_NODE)
     sharder = shard_module(model, config, comm) if stage == 3 else None
     opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config, comm, sharder=sharder)
@@ -105,7 +75,7 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 def _ddp(rank: int, clip: bool = False, accumulate: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(Net())
+    model = nn.parallel.DistributedDataParallel(BlockNet())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
         for micro in range(ACCUM if accumulate else 1):
@@ -184,13 +154,13 @@ def _pretrained(rank: int, folder: Path) -> dict:
     path = folder / "pretrained.safetensors"
     if rank == 0:
         torch.manual_seed(0)
-        save_file(Net().state_dict(), str(path))
+        save_file(BlockNet().state_dict(), str(path))
     dist.barrier()
     torch.manual_seed(5)  # another init: every weight must come from the file
     with sharded_init():
-        model = Net()
+        model = BlockNet()
     load_pretrained(model, path)
-    config = _config(3, shard_group_size=2)
+    config = block_net_config(3, shard_group_size=2)
     engine = setup_engine(model, config, WorkingPrecision(), Collectives(ranks_per_node=PER_NODE),
                           torch.device("cpu"), lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2)])
     sharded = all(p.numel() == 0 for u in engine.sharder.units for g in u.groups for p in g.params)
@@ -261,14 +231,14 @@ def test_accumulating_equals_ddp_and_the_boundary_all_reduces_once_per_step(runs
     for rank in range(WORLD):
         _close(runs[rank][name]["params"], runs[rank]["ddp-accumulating"], 1e-5)
     with torch.device("meta"):
-        model = Net()
-    want = predict_step_bytes(model, _config(stage, **options), WORLD, PER_NODE, accumulation_steps=ACCUM)
+        model = BlockNet()
+    want = predict_step_bytes(model, block_net_config(stage, **options), WORLD, PER_NODE, accumulation_steps=ACCUM)
     for rank in range(WORLD):  # (all deferred: the step all-reduces each shard once instead)
         assert runs[rank][name]["stats"] == want, f"rank {rank}"
     # what crosses nodes: each gradient shard's all-reduce across the replicas, and once per step the
     # all-reduce of which parameters got gradients
     mask = sent_bytes("all_reduce", len(list(model.parameters())), WORLD)
-    once = predict_step_bytes(model, _config(stage, shard_group_size=2), WORLD, PER_NODE)  # one micro-batch
+    once = predict_step_bytes(model, block_net_config(stage, shard_group_size=2), WORLD, PER_NODE)  # one micro-batch
     replica_sums = ACCUM if options.get("replica_all_reduce") == "every_backward" else 1
     assert want["inter_node"] - mask == replica_sums * (once["inter_node"] - mask) > 0
 
@@ -304,8 +274,8 @@ def test_groups_are_consecutive_ranks_and_their_replicas(runs):
 def test_comm_stats_equal_the_prediction_and_only_all_reduces_cross_nodes(runs, name):
     stage, options, clip = CASES[name]
     with torch.device("meta"):
-        model = Net()
-    want = predict_step_bytes(model, _config(stage, **options), WORLD, PER_NODE, clipping=clip)
+        model = BlockNet()
+    want = predict_step_bytes(model, block_net_config(stage, **options), WORLD, PER_NODE, clipping=clip)
     for rank in range(WORLD):
         assert runs[rank][name]["stats"] == want, f"rank {rank}"
     if options["shard_group_size"] == 1:
@@ -322,10 +292,10 @@ def test_comm_stats_equal_the_prediction_and_only_all_reduces_cross_nodes(runs, 
 @pytest.mark.timeout(300)
 def test_hybrid_sends_fewer_inter_node_bytes_than_sharding_over_all_ranks():
     with torch.device("meta"):
-        model = Net()
+        model = BlockNet()
     for stage in (1, 2, 3):
-        plain = predict_step_bytes(model, _config(stage), WORLD, PER_NODE)
-        hybrid = predict_step_bytes(model, _config(stage, shard_group_size=2), WORLD, PER_NODE)
+        plain = predict_step_bytes(model, block_net_config(stage), WORLD, PER_NODE)
+        hybrid = predict_step_bytes(model, block_net_config(stage, shard_group_size=2), WORLD, PER_NODE)
         assert hybrid["inter_node"] < plain["inter_node"], stage
 
 

@@ -9,46 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
 from zero_strategy.memory import estimate_memory, memory_stats
 
 from .distributed import run_distributed
+from .models import BlockNet, block_net_config
 
-WORLD, ACCUM, STEPS, WIDTH = 2, 4, 2, 16
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, 2 * d)
-        self.proj = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.proj(torch.tanh(self.fc(x)))
-
-
-class Net(nn.Module):
-    """An input layer (the root unit at stage 3), three blocks (units), a head."""
-
-    def __init__(self, d: int = WIDTH) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-def _config(stage: int, **options) -> ZeroConfig:
-    stage3 = dict(shard_modules=("Block",), param_persistence_threshold=0) if stage == 3 else {}
-    return ZeroConfig(stage=stage, bucket_cap_mb=0.002, **stage3, **options)  # several segments per group
+WORLD, ACCUM, STEPS = 2, 4, 2
 
 
 def _batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +41,8 @@ def _engine_run(rank: int, stage: int, local: bool, how: str = "no_sync", dtype=
     """STEPS optimizer steps of ACCUM micro-batches each; ``how``: "no_sync" (the micro-batches
     before the last inside ``no_sync``) or "all" (all of them inside it: the step reduces)."""
     torch.manual_seed(0)
-    model = Net().to(dtype)
-    config = _config(stage, local_accumulation=local, **options)
+    model = BlockNet().to(dtype)
+    config = block_net_config(stage, local_accumulation=local, **options)
     comm = Collectives()
     calls = _count_reduce_scatters(comm)
     sharder = shard_module(model, config, comm) if stage == 3 else None
@@ -120,7 +89,7 @@ def _initialize_run(rank: int, stage: int, local: bool) -> dict:
     import zero_strategy as deepspeed
 
     torch.manual_seed(0)
-    model = Net()
+    model = BlockNet()
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
@@ -251,7 +220,7 @@ def test_deepspeed_config_maps_local_accumulation_and_grad_accum_dtype():
 def test_join_refuses_local_accumulation():
     from zero_strategy import Join
 
-    model = Net()
-    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), _config(2, local_accumulation=True))
+    model = BlockNet()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), block_net_config(2, local_accumulation=True))
     with pytest.raises(ValueError, match="Join with local_accumulation=True"):
         Join(model, opt)

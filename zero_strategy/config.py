@@ -224,9 +224,7 @@ class ZeroConfig:
 
     def _check_shard_group_size(self) -> None:
         size = self.shard_group_size
-        if size is None or size == "node":
-            pass
-        elif type(size) is not int or size < 1:
+        if size not in (None, "node") and (type(size) is not int or size < 1):
             raise ValueError(f"shard_group_size={size!r} must be a positive integer dividing the world size, \"node\" "
                              "(the ranks of one node), or None to shard over all ranks.")
         if size is not None and self.secondary_partition_size is not None:

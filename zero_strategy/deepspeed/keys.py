@@ -127,8 +127,8 @@ MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section (""
                                     "allgather_bucket_size", "stage3_param_persistence_threshold",
                                     "stage3_prefetch_bucket_size", "sub_group_size", "zero_quantized_weights",
                                     "zero_hpz_partition_size", "zero_quantized_gradients",
-                                    "local_accumulation", "mics_shard_size"}),  # local_accumulation: this
-                                    # package's own, see read_accumulation; mics_shard_size: read_zero_plus_plus
+                                    "local_accumulation",  # this package's own: see read_accumulation
+                                    "mics_shard_size"}),  # MiCS: see read_zero_plus_plus
     "zero_optimization.offload_optimizer": frozenset({"device", "nvme_path", "pin_memory", "super_offload"}),
     "zero_optimization.offload_param": frozenset({"device", "nvme_path", "pin_memory"}),
     "activation_checkpointing": frozenset({"cpu_checkpointing"}),

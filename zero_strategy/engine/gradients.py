@@ -368,10 +368,11 @@ class ShardedGradientReducer(GradientReducer):
                 target = group.segment_shard(self.grad_shards[gi], group.segments[si])
                 if target.device != group.device:
                     wait_for_copies(group.device)
-                shard = target.to(group.device)
+                shard = target.to(group.device)  # target itself where the shard is on the device
                 self.replicas.all_reduce(shard, what=lambda: f"all-reduce across the shard groups of the "
                                                              f"{self._describe(gi, si)}, deferred to the step")
-                target.copy_(shard)
+                if shard is not target:
+                    target.copy_(shard)
                 if self.host_listener is not None:  # what it stepped from this segment is superseded
                     self.host_listener.segment_ready(gi, si, self.received[gi])
             self.replica_sum.unsynced.clear()

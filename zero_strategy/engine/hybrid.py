@@ -63,10 +63,6 @@ class HybridMesh:
     world_size: int
     shard_size: int
 
-    @property
-    def replicas(self) -> int:
-        return self.world_size // self.shard_size
-
     def shard_groups(self) -> list[list[int]]:
         k = self.shard_size
         return [list(range(start, start + k)) for start in range(0, self.world_size, k)]
