@@ -293,6 +293,8 @@ BAD_INDEXES = [
     (_set(("world_size",), 0), r"world_size is 0, expected a positive integer"),
     (_set(("world_size",), "1"), r"world_size is '1'"),
     (_set(("world_size",), 2), r"files is \['rank_00000.safetensors'\], expected one file per rank of world_size 2"),
+    (_set(("shard_group_size",), 3), r"shard_group_size is 3, expected null or a positive divisor of world_size 1"),
+    (_set(("shard_group_size",), "node"), r"shard_group_size is 'node'"),
     (_set(("checksum",), "md5"), r"checksum is 'md5', expected 'xxh3_64'"),
     (_set(("format",), "other/9"), r"has format 'other/9'; this version of zero_strategy reads"),
 ]
