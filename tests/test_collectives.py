@@ -1,6 +1,6 @@
 """The engine's collectives on 4 gloo ranks, whole and split into pairs: the reduce-scatter (an
 all-to-all and a sum on gloo: [Note: reduce-scatter on gloo]) and the all-gather (broadcasts or
-gloo's own: [Note: all-gather on gloo]) give exactly the sums and concatenations they stand for,
+gloo's own: [Note: all-gather on gloo]), with and without the order guard's header, give exactly the sums and concatenations they stand for,
 each path is taken where the note says (broadcasts only when every rank computes on one thread, so
 ranks with other thread counts still run the same collectives), and the bytes counted are those of
 the collective."""
@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from zero_strategy.engine import Collectives
 from zero_strategy.engine import collectives as collectives_module
+from zero_strategy.engine.collective_header import Header
 from zero_strategy.engine.comm_volume import sent_bytes
 
 from .distributed import run_distributed
@@ -56,6 +57,17 @@ def _check(rank: int, world_size: int) -> dict:
                     out.view(n, -1)[comm.rank].copy_(mine)
                     comm.all_gather(out, out.view(n, -1)[comm.rank]).wait()
                     found[f"gather in place {key}"] = torch.equal(out, want)
+                    # with the order guard's header ([Note: the collective header]): the same chunks, and
+                    # every member's words checked once waited
+                    seen: list = []
+                    words = torch.tensor([dist.get_rank(), numel, 7, -1], dtype=torch.int32)
+                    out = torch.full((n * numel,), float("nan"))
+                    before = len(broadcasts)
+                    comm.all_gather(out, mine, header=Header(words, seen.append)).wait()
+                    got_words = seen[0].tolist() if len(seen) == 1 else None
+                    found[f"gather with header {key}"] = (
+                        torch.equal(out, want) and got_words == [[r, numel, 7, -1] for r in members],
+                        len(broadcasts) - before)
                     # reduce-scatter: chunk k of the sum over members lands on member k
                     inputs = {r: _exact_values(n * numel, 200 + r) for r in members}
                     want_chunk = sum(inputs[r] for r in members).view(n, -1)[comm.rank]
@@ -91,8 +103,9 @@ def test_reduce_scatter_and_all_gather_are_exact_and_take_the_path_the_notes_giv
             if key.startswith("gather ") and not key.startswith("gather in place"):
                 exact, broadcasts = value
                 assert exact, (rank, key)
-                size = 4 if key.startswith("gather whole") else 2
-                by_broadcasts = f"/{LARGE}/1 threads" in key  # every rank on one thread, and large
+                size = 4 if "whole/" in key else 2
+                # every rank on one thread, and large; a gather with a header is one collective, never broadcasts
+                by_broadcasts = f"/{LARGE}/1 threads" in key and "header" not in key
                 assert broadcasts == (size if by_broadcasts else 0), (rank, key, broadcasts)
             else:
                 assert value, (rank, key)

@@ -248,37 +248,45 @@ class Collectives:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: Describe = _unnamed,
                    header: Optional[Header] = None) -> Pending:
         """Concatenate every rank's ``input`` into ``output``; ``input`` may alias its own chunk.
-        ``header``: sent in the same collective, checked once waited (see [Note: the collective header])."""
+        ``header``: sent with it, checked once waited (see [Note: the collective header])."""
         if self.world_size == 1:
             return Pending(then=lambda: _copy_unless_same(output, input))
         if header is not None:
             return self._all_gather_with_header(output, input, what, header)
+        self._count("all_gather", "all_gather", output.numel() * output.element_size())
+        return self._gather(output, input, what)
+
+    def _gather(self, output: torch.Tensor, input: torch.Tensor, what: Describe) -> Pending:
+        """The all-gather itself, uncounted: by broadcasts or by the backend's own."""
         nbytes = output.numel() * output.element_size()
-        self._count("all_gather", "all_gather", nbytes)
         if self.backend == "gloo" and nbytes >= BROADCAST_GATHER_BYTES and self._gathers_by_broadcasts():
             return self._gather_by_broadcasts(output, input, what)  # see [Note: all-gather on gloo]
         return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what)
 
     def _all_gather_with_header(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
                                 header: Header) -> Pending:
-        """One collective of every rank's ``input`` and header (see [Note: the collective header]).
-        On gloo it is gloo's coalesced all-gather, never broadcasts (see [Note: all-gather on gloo]):
-        a broadcast per rank has no room for the header without a copy of the chunk."""
+        """One collective of every rank's ``input`` and header (see [Note: the collective header]):
+        on NCCL a coalesced group of two all-gathers; on gloo one all-gather of each rank's chunk and
+        header side by side, the chunks copied out once the header is checked."""
         n = self.world_size
         received = header.receive_buffer(n, input.dtype, input.device)
         send = header.send_as(input.dtype, input.device)
         self._count("all_gather", "all_gather", output.numel() * output.element_size()
                     + received.numel() * received.element_size())
-        chunks = output.view(n, -1)
         if self.backend == "gloo":
-            group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-            work = group.allgather_coalesced([[chunks[r], received[r]] for r in range(n)], [input.view(-1), send])
-        else:
-            with dist._coalescing_manager(self.group, input.device, async_ops=True) as coalesced:
-                _all_gather_single(output, input.view(-1), group=self.group)
-                _all_gather_single(received.view(-1), send, group=self.group)
-            work = _Works(coalesced.works)
-        return self._pending(work, lambda: header.received(received), what, header.waiting)
+            chunk = input.numel()
+            staged = input.new_empty((n, chunk + send.numel()))
+            work = _all_gather_single(staged.view(-1), torch.cat([input.view(-1), send]), group=self.group,
+                                      async_op=True)
+
+            def then() -> None:
+                header.received(staged[:, chunk:].contiguous())  # before anything reads the chunks
+                output.view(n, -1).copy_(staged[:, :chunk])
+            return self._pending(work, then, what, header.waiting)
+        with dist._coalescing_manager(self.group, input.device, async_ops=True) as coalesced:
+            _all_gather_single(output, input.view(-1), group=self.group)
+            _all_gather_single(received.view(-1), send, group=self.group)
+        return self._pending(_Works(coalesced.works), lambda: header.received(received), what, header.waiting)
 
     def _gathers_by_broadcasts(self) -> bool:
         """Whether every rank of the group computes on one thread: asked of them all together on the
