@@ -57,8 +57,8 @@ def _check(rank: int, world_size: int) -> dict:
                     out.view(n, -1)[comm.rank].copy_(mine)
                     comm.all_gather(out, out.view(n, -1)[comm.rank]).wait()
                     found[f"gather in place {key}"] = torch.equal(out, want)
-                    # with the order guard's header ([Note: the collective header]): the same chunks, and
-                    # every member's words checked once waited
+                    # with the order guard's header ([Note: the collective header]): the same chunks, by the
+                    # same path, and every member's words checked once waited
                     seen: list = []
                     words = torch.tensor([dist.get_rank(), numel, 7, -1], dtype=torch.int32)
                     out = torch.full((n * numel,), float("nan"))
@@ -104,8 +104,7 @@ def test_reduce_scatter_and_all_gather_are_exact_and_take_the_path_the_notes_giv
                 exact, broadcasts = value
                 assert exact, (rank, key)
                 size = 4 if "whole/" in key else 2
-                # every rank on one thread, and large; a gather with a header is one collective, never broadcasts
-                by_broadcasts = f"/{LARGE}/1 threads" in key and "header" not in key
+                by_broadcasts = f"/{LARGE}/1 threads" in key  # every rank on one thread, and large
                 assert broadcasts == (size if by_broadcasts else 0), (rank, key, broadcasts)
             else:
                 assert value, (rank, key)

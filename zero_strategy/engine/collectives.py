@@ -256,18 +256,20 @@ class Collectives:
         self._count("all_gather", "all_gather", output.numel() * output.element_size())
         return self._gather(output, input, what)
 
-    def _gather(self, output: torch.Tensor, input: torch.Tensor, what: Describe) -> Pending:
+    def _gather(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
+                waiting: Optional[Callable[[float], None]] = None) -> Pending:
         """The all-gather itself, uncounted: by broadcasts or by the backend's own."""
         nbytes = output.numel() * output.element_size()
         if self.backend == "gloo" and nbytes >= BROADCAST_GATHER_BYTES and self._gathers_by_broadcasts():
-            return self._gather_by_broadcasts(output, input, what)  # see [Note: all-gather on gloo]
-        return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what)
+            return self._gather_by_broadcasts(output, input, what, waiting)  # see [Note: all-gather on gloo]
+        return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what, waiting)
 
     def _all_gather_with_header(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
                                 header: Header) -> Pending:
         """One collective of every rank's ``input`` and header (see [Note: the collective header]):
         on NCCL a coalesced group of two all-gathers; on gloo one all-gather of each rank's chunk and
-        header side by side, the chunks copied out once the header is checked."""
+        header side by side (by broadcasts where large: see [Note: all-gather on gloo]), the chunks
+        copied out once the header is checked."""
         n = self.world_size
         received = header.receive_buffer(n, input.dtype, input.device)
         send = header.send_as(input.dtype, input.device)
@@ -275,14 +277,17 @@ class Collectives:
                     + received.numel() * received.element_size())
         if self.backend == "gloo":
             chunk = input.numel()
-            staged = input.new_empty((n, chunk + send.numel()))
-            work = _all_gather_single(staged.view(-1), torch.cat([input.view(-1), send]), group=self.group,
-                                      async_op=True)
+            staged = input.new_empty((n, chunk + send.numel()))  # row r: rank r's chunk, then its header
+            mine = staged[self.rank]
+            mine[:chunk].copy_(input.view(-1))
+            mine[chunk:].copy_(send)
+            gathered = self._gather(staged.view(-1), mine, what, header.waiting)
 
             def then() -> None:
+                gathered.wait()
                 header.received(staged[:, chunk:].contiguous())  # before anything reads the chunks
                 output.view(n, -1).copy_(staged[:, :chunk])
-            return self._pending(work, then, what, header.waiting)
+            return Pending(then=then)
         with dist._coalescing_manager(self.group, input.device, async_ops=True) as coalesced:
             _all_gather_single(output, input.view(-1), group=self.group)
             _all_gather_single(received.view(-1), send, group=self.group)
@@ -300,11 +305,12 @@ class Collectives:
             self._by_broadcasts = bool(alone.item())
         return self._by_broadcasts
 
-    def _gather_by_broadcasts(self, output: torch.Tensor, input: torch.Tensor, what: Describe) -> Pending:
+    def _gather_by_broadcasts(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
+                              waiting: Optional[Callable[[float], None]] = None) -> Pending:
         chunks = output.view(self.world_size, -1)
         _copy_unless_same(chunks[self.rank], input.view(-1))
         parts = [self._pending(dist.broadcast(chunk, src=self.global_rank(r), group=self.group, async_op=True),
-                               None, what) for r, chunk in enumerate(chunks)]
+                               None, what, waiting) for r, chunk in enumerate(chunks)]
         return Pending(then=lambda: wait_all(parts))
 
     def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, spec: QuantSpec,
