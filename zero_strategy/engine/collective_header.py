@@ -12,24 +12,23 @@ whatever that dtype (bf16 holds integers exactly only up to 256) and no quantiza
 a quantized gather sends them beside its packed rows, unquantized. The chunk and the header go in
 one collective, so a rank that issued other collectives than the rest pairs a gather with a gather
 (whose header tells) or with a collective of another kind (which waits, and the store comparison
-tells), never a gather's chunk with another gather's header. On NCCL it is a coalesced group of
-two all-gathers. On gloo it is one all-gather of each rank's chunk and header side by side into a
-buffer of its own (by broadcasts where large, as any gather: [Note: all-gather on gloo] in
-collectives.py), the header checked and then the chunks copied out: that buffer while the gather
-lasts, and one copy of the gathered unit, more than a plain gather takes where gloo's own
-all-gather runs (which copies out of a buffer of its own too), none more by broadcasts. gloo's
-coalesced all-gather, which carried both before, corrupts the heap now and then while gloo's two
-worker threads run
-collectives at once (torch 2.13: ``malloc(): unaligned tcache chunk detected`` in a gloo thread, in
-about one run in three of test_fabric.py on a loaded 2-core host and twice in at most 90 repeated
-bf16 stage-3 Fabric runs; none in 120 such runs, or 8 of test_fabric.py, without it; see also
-pytorch/pytorch#65231). Two separate all-gathers, header then chunk, were tried and fail the guard:
-a rank one collective ahead pairs its chunk with another's header, and gloo ends the process on
-the size mismatch, with no message of ours. Every rank receives every rank's header and compares
-them when the gather is waited for, before anything reads the gathered weights (see [Note: order
-guard] in order_guard.py). Cost: 16 bytes per rank in each all-gather's output, so 16 (n - 1) bytes
-more sent per rank per all-gather: 16,368 bytes at 1,024 ranks, counted by ``comm_stats()`` and
-predicted by the communication model (comm_model.py).
+tells), never a gather's chunk with another gather's header. On NCCL it is a coalesced group of two
+all-gathers. On gloo it is one all-gather of each rank's chunk and header side by side into a buffer
+of its own (by broadcasts where large, as any gather: [Note: all-gather on gloo] in collectives.py),
+the header checked and then the chunks copied out: that buffer while the gather lasts, and one copy
+of the gathered unit, more than a plain gather takes where gloo's own all-gather runs (which copies
+out of a buffer of its own too), none more by broadcasts. gloo's coalesced all-gather, which carried
+both before, corrupts the heap now and then while gloo's two worker threads run collectives at once
+(torch 2.13: ``malloc(): unaligned tcache chunk detected`` in a gloo thread, in about one run in
+three of test_fabric.py on a loaded 2-core host and twice in at most 90 repeated bf16 stage-3 Fabric
+runs; none in 120 such runs, or 8 of test_fabric.py, without it; see also pytorch/pytorch#65231).
+Two separate all-gathers, header then chunk, were tried and fail the guard: a rank one collective
+ahead pairs its chunk with another's header, and gloo ends the process on the size mismatch, with no
+message of ours. Every rank receives every rank's header and compares them when the gather is waited
+for, before anything reads the gathered weights (see [Note: order guard] in order_guard.py). Cost:
+16 bytes per rank in each all-gather's output, so 16 (n - 1) bytes more sent per rank per
+all-gather: 16,368 bytes at 1,024 ranks, counted by ``comm_stats()`` and predicted by the
+communication model (comm_model.py).
 """
 
 from __future__ import annotations
