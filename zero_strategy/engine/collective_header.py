@@ -16,9 +16,8 @@ tells), never a gather's chunk with another gather's header. On NCCL it is a coa
 all-gathers. On gloo it is one all-gather of each rank's chunk and header side by side into a buffer
 of its own (by broadcasts where large, as any gather: [Note: all-gather on gloo] in collectives.py),
 the header checked and then the chunks copied out: that buffer while the gather lasts, and one copy
-of the gathered unit, more than a plain gather takes where gloo's own all-gather runs (which copies
-out of a buffer of its own too), none more by broadcasts. gloo's coalesced all-gather, which carried
-both before, corrupts the heap now and then while gloo's two worker threads run collectives at once
+of the gathered unit more than a plain gather. gloo's coalesced all-gather, which carried both
+before, corrupts the heap now and then while gloo's two worker threads run collectives at once
 (torch 2.13: ``malloc(): unaligned tcache chunk detected`` in a gloo thread, in about one run in
 three of test_fabric.py on a loaded 2-core host and twice in at most 90 repeated bf16 stage-3 Fabric
 runs; none in 120 such runs, or 8 of test_fabric.py, without it; see also pytorch/pytorch#65231).
