@@ -32,10 +32,10 @@ class Block(nn.Module):
 class Net(nn.Module):
     """Two blocks of the same size, as units: a gather of one pairs with a gather of the other."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 16) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
-        self.head = nn.Linear(16, 1)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
+        self.head = nn.Linear(width, 1)
 
     def forward(self, x, diverge=None):
         order = [0, 1]
@@ -62,6 +62,10 @@ CASES = {
     "other-unit-pass-15-deferred": ("other", 15, {}, True),
 }
 FOUR_RANKS = ("skip-pass-15", "other-unit-pass-15-secondary")
+# blocks whose gathers go by broadcasts on gloo (one thread per rank, over 1 MiB: [Note: all-gather on
+# gloo]), where the header travels in an all-gather beside them
+WIDE = {"skip-pass-15-broadcasts": 512}
+CASES["skip-pass-15-broadcasts"] = ("skip", 15, {}, False)
 
 
 def _diverging_runs(rank, world_size, cases):
@@ -76,14 +80,16 @@ def _diverging_runs(rank, world_size, cases):
         config = ZeroConfig(stage=3, shard_modules=("Block",), param_persistence_threshold=0,
                             unit_order_wait=1.0, **options)  # 5 s by default: shorter, for a fast test
         torch.manual_seed(0)
-        model = Net()
+        width = WIDE.get(case, 16)
+        model = Net(width)
+        torch.set_num_threads(1)
         sharder = shard_module(model, config, comm=comm)
         sharder.guard.deferred = deferred
         opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config, sharder=sharder)
         error, elapsed, before = None, None, None
         for step in range(at_pass):
             g = torch.Generator().manual_seed(100 * step + rank)
-            x, y = torch.randn(4, 16, generator=g), torch.randn(4, 1, generator=g)
+            x, y = torch.randn(4, width, generator=g), torch.randn(4, 1, generator=g)
             diverging = rank == 1 and step == at_pass - 1
             if step == at_pass - 1:
                 before = _state(sharder, opt)

@@ -9,25 +9,27 @@ int32 words naming what this rank issued it for (pass, gather number in the pass
 the unit it came from: see ``encode``). The words travel as raw bits, viewed as the buffer's own
 dtype (16 bytes are 8 bf16 elements, 4 fp32, 16 uint8 of a quantized row), so they are exact
 whatever that dtype (bf16 holds integers exactly only up to 256) and no quantization touches them:
-a quantized gather sends them beside its packed rows, unquantized. The chunk and the header go in
-one collective, so a rank that issued other collectives than the rest pairs a gather with a gather
-(whose header tells) or with a collective of another kind (which waits, and the store comparison
-tells), never a gather's chunk with another gather's header. On NCCL it is a coalesced group of two
-all-gathers. On gloo it is one all-gather of each rank's chunk and header side by side into a buffer
-of its own (by broadcasts where large, as any gather: [Note: all-gather on gloo] in collectives.py),
-the header checked and then the chunks copied out: that buffer while the gather lasts, and one copy
-of the gathered unit more than a plain gather. gloo's coalesced all-gather, which carried both
-before, corrupts the heap now and then while gloo's two worker threads run collectives at once
-(torch 2.13: ``malloc(): unaligned tcache chunk detected`` in a gloo thread, in about one run in
-three of test_fabric.py on a loaded 2-core host and twice in at most 90 repeated bf16 stage-3 Fabric
-runs; none in 120 such runs, or 8 of test_fabric.py, without it; see also pytorch/pytorch#65231).
-Two separate all-gathers, header then chunk, were tried and fail the guard: a rank one collective
-ahead pairs its chunk with another's header, and gloo ends the process on the size mismatch, with no
-message of ours. Every rank receives every rank's header and compares them when the gather is waited
-for, before anything reads the gathered weights (see [Note: order guard] in order_guard.py). Cost:
-16 bytes per rank in each all-gather's output, so 16 (n - 1) bytes more sent per rank per
-all-gather: 16,368 bytes at 1,024 ranks, counted by ``comm_stats()`` and predicted by the
-communication model (comm_model.py).
+a quantized gather sends them beside its packed rows, unquantized. The header must never pair with
+another gather's chunk: gloo ends the process when two ranks' collectives of one kind differ in
+size, with no message of ours, where two of different kinds merely wait (and the store comparison of
+[Note: order guard] tells). So on NCCL the chunk and the header go in one coalesced group of two
+all-gathers. On gloo, where a gather goes by broadcasts ([Note: all-gather on gloo] in
+collectives.py: large, one thread per rank), the header goes in an all-gather issued just before
+them, a collective of another kind than theirs, and is checked before they are waited for: no copy,
+one small collective more. Otherwise it is one all-gather of each rank's chunk and header side by
+side, into a buffer of its own from which the chunks are copied out once the header is checked: that
+buffer while the gather lasts, and one copy of the unit. gloo's coalesced all-gather, which carried
+both in one collective before, corrupts the heap now and then while gloo's two worker threads run
+collectives at once (torch 2.13: ``malloc(): unaligned tcache chunk detected`` in a gloo thread, in
+about one run in three of test_fabric.py on a loaded 2-core host and twice in at most 90 repeated
+bf16 stage-3 Fabric runs; none in 120 such runs, or 8 of test_fabric.py, without it; see also
+pytorch/pytorch#65231). Two plain all-gathers, header then chunk, were tried as well: a rank one
+collective ahead of the others paired its chunk with their header, and gloo ended the processes.
+Every rank receives every rank's header and compares them when the gather is waited for, before
+anything reads the gathered weights (see [Note: order guard] in order_guard.py). Cost: 16 bytes per
+rank in each all-gather's output, so 16 (n - 1) bytes more sent per rank per all-gather: 16,368
+bytes at 1,024 ranks, counted by ``comm_stats()`` and predicted by the communication model
+(comm_model.py).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .collective_header import Header
+from .collective_header import HEADER_BYTES, Header
 from .comm_volume import CommCounter, NodeLayout, sent_bytes
 from .quantize import QuantSpec, dequantize_sum, quantize_rows
 from .watchdog import Watchdog
@@ -253,45 +253,51 @@ class Collectives:
             return Pending(then=lambda: _copy_unless_same(output, input))
         if header is not None:
             return self._all_gather_with_header(output, input, what, header)
-        self._count("all_gather", "all_gather", output.numel() * output.element_size())
-        return self._gather(output, input, what)
-
-    def _gather(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
-                waiting: Optional[Callable[[float], None]] = None) -> Pending:
-        """The all-gather itself, uncounted: by broadcasts or by the backend's own."""
         nbytes = output.numel() * output.element_size()
-        if self.backend == "gloo" and nbytes >= BROADCAST_GATHER_BYTES and self._gathers_by_broadcasts():
-            return self._gather_by_broadcasts(output, input, what, waiting)  # see [Note: all-gather on gloo]
-        return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what, waiting)
+        self._count("all_gather", "all_gather", nbytes)
+        if self._by_broadcasts_at(nbytes):
+            return self._gather_by_broadcasts(output, input, what)
+        return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what)
 
     def _all_gather_with_header(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
                                 header: Header) -> Pending:
-        """One collective of every rank's ``input`` and header (see [Note: the collective header]):
-        on NCCL a coalesced group of two all-gathers; on gloo one all-gather of each rank's chunk and
-        header side by side (by broadcasts where large: see [Note: all-gather on gloo]), the chunks
-        copied out once the header is checked."""
-        n = self.world_size
-        received = header.receive_buffer(n, input.dtype, input.device)
-        send = header.send_as(input.dtype, input.device)
-        self._count("all_gather", "all_gather", output.numel() * output.element_size()
-                    + received.numel() * received.element_size())
+        """Every rank's ``input`` and header (see [Note: the collective header]): on NCCL one
+        coalesced group of two all-gathers; on gloo the header's all-gather and the chunks'
+        broadcasts where a gather goes by broadcasts ([Note: all-gather on gloo]), else one
+        all-gather of each rank's chunk and header side by side, the chunks copied out once the
+        header is checked."""
+        n, nbytes = self.world_size, output.numel() * output.element_size()
+        self._count("all_gather", "all_gather", nbytes + n * HEADER_BYTES)
+        if self._by_broadcasts_at(nbytes):
+            received = header.receive_buffer(n, torch.int32, input.device)
+            work = _all_gather_single(received.view(-1), header.send_as(torch.int32, input.device),
+                                      group=self.group, async_op=True)
+            checked = self._pending(work, lambda: header.received(received), what, header.waiting)
+            gathered = self._gather_by_broadcasts(output, input, what, header.waiting)
+            return Pending(then=lambda: wait_all([checked, gathered]))
         if self.backend == "gloo":
             chunk = input.numel()
+            send = header.send_as(input.dtype, input.device)
             staged = input.new_empty((n, chunk + send.numel()))  # row r: rank r's chunk, then its header
             mine = staged[self.rank]
             mine[:chunk].copy_(input.view(-1))
             mine[chunk:].copy_(send)
-            gathered = self._gather(staged.view(-1), mine, what, header.waiting)
+            work = _all_gather_single(staged.view(-1), mine, group=self.group, async_op=True)
 
             def then() -> None:
-                gathered.wait()
                 header.received(staged[:, chunk:].contiguous())  # before anything reads the chunks
                 output.view(n, -1).copy_(staged[:, :chunk])
-            return Pending(then=then)
+            return self._pending(work, then, what, header.waiting)
+        received = header.receive_buffer(n, input.dtype, input.device)
+        send = header.send_as(input.dtype, input.device)
         with dist._coalescing_manager(self.group, input.device, async_ops=True) as coalesced:
             _all_gather_single(output, input.view(-1), group=self.group)
             _all_gather_single(received.view(-1), send, group=self.group)
         return self._pending(_Works(coalesced.works), lambda: header.received(received), what, header.waiting)
+
+    def _by_broadcasts_at(self, nbytes: int) -> bool:
+        """Whether an all-gather of ``nbytes`` output bytes runs as broadcasts ([Note: all-gather on gloo])."""
+        return self.backend == "gloo" and nbytes >= BROADCAST_GATHER_BYTES and self._gathers_by_broadcasts()
 
     def _gathers_by_broadcasts(self) -> bool:
         """Whether every rank of the group computes on one thread: asked of them all together on the
