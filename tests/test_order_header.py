@@ -107,9 +107,13 @@ def _diverging_runs(rank, world_size, cases):
 
 
 def _state(sharder, opt) -> list[torch.Tensor]:
-    tensors = [g.shard.clone() for g in sharder.groups]
-    for state in opt.optimizer.state.values() if hasattr(opt, "optimizer") else []:
-        tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    """The shards (stage 3), the optimizer's own parameters (the masters) and its state."""
+    tensors = [g.shard.clone() for g in sharder.groups if hasattr(g, "shard")]
+    inner = getattr(opt, "optimizer", None)
+    if inner is not None:
+        tensors += [p.detach().clone() for group in inner.param_groups for p in group["params"]]
+        for state in inner.state.values():
+            tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
 
 
@@ -132,6 +136,50 @@ def test_a_rank_running_other_units_at_any_pass_stops_every_rank_before_the_step
         assert "rank 0:" in error and "rank 1:" in error, error
         assert elapsed < 30, f"rank {rank} took {elapsed:.0f} s"
         assert unchanged, f"rank {rank}: shards or optimizer state changed in the divergent pass"
+
+
+def _extra_micro_batch_runs(rank, world_size, stages):
+    """At each stage, rank 1 runs one micro-batch more than rank 0 before the step of pass 15 (see
+    [Note: collectives that differ] in collectives.py): stage -> (error or None, seconds from the
+    divergent pass to it, whether this rank's shards and optimizer state are those from before it)."""
+    out = {}
+    for stage in stages:
+        group = dist.new_group(list(range(world_size)))
+        comm = Collectives(group, collective_timeout=600.0, ranks_per_node=world_size)
+        config = ZeroConfig(stage=stage, shard_modules=("Block",), param_persistence_threshold=0, unit_order_wait=1.0)
+        torch.manual_seed(0)
+        model = Net()
+        sharder = shard_module(model, config, comm=comm)
+        opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config, sharder=sharder)
+        error, elapsed, before = None, None, None
+        for step in range(15):
+            micro_batches = 2 if rank == 1 and step == 14 else 1
+            before = _state(sharder, opt) if step == 14 else before
+            start = time.monotonic()
+            try:
+                opt.zero_grad()
+                for m in range(micro_batches):
+                    g = torch.Generator().manual_seed(100 * step + 10 * m + rank)
+                    x, y = torch.randn(4, 16, generator=g), torch.randn(4, 1, generator=g)
+                    F.mse_loss(model(x), y).backward()
+                opt.step()
+            except UnitOrderError as err:
+                error, elapsed = str(err), time.monotonic() - start
+                break
+        out[stage] = (error, elapsed, all(torch.equal(a, b) for a, b in zip(before, _state(sharder, opt))))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_running_an_extra_micro_batch_stops_every_rank_at_stages_2_and_3():
+    results = run_distributed(_extra_micro_batch_runs, 2, [2, 3], fresh=True, timeout_s=100)
+    for rank, by_stage in enumerate(results):
+        for stage, (error, elapsed, unchanged) in by_stage.items():
+            assert error is not None, f"stage {stage}, rank {rank}: no UnitOrderError"
+            assert "rank 0:" in error and "rank 1:" in error, error
+            assert elapsed < 30, f"stage {stage}, rank {rank} took {elapsed:.0f} s"
+            if rank == 1:  # it had not stepped yet (rank 0 stepped on the first micro-batches' exact sum)
+                assert unchanged, f"stage {stage}: rank 1's shards or optimizer state changed in the divergent pass"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8])

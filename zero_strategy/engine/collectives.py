@@ -45,6 +45,24 @@ all-to-all among the ranks of a node, which leaves local rank l with its node's 
 shards of ranks l, K + l, 2K + l, ... (K ranks per node); then, requantized, an all-to-all among the
 ranks with local index l, one per node, which completes each shard. Rounding happens twice
 (once per hop), not once per rank. The second hop starts when the first is waited for.
+
+[Note: collectives that differ]
+Ranks in step issue the same collectives on a group in the same order, so the k-th collective a
+``Collectives`` object issued is of the same kind on every rank. When ranks part (one ran an extra
+micro-batch, or skipped a step), two collectives of different kinds meet at the same k on gloo and
+NCCL alike, and both wait: forever, or until ``collective_timeout``. So a watched wait (see [Note:
+hang watchdog] in watchdog.py) that has lasted ``mismatch_wait_s`` (the engine sets it to
+``unit_order_wait``, 5 s by default) posts "k, kind, what" on the process group's store, under a
+key of this object's (its creation number in the process and its group: every rank makes its
+objects in the same order), and reads what the others posted: another rank waiting at the same k
+for another kind is a ``UnitOrderError`` naming both, on each rank that waits. Nothing is read
+before that wait, so a step costs nothing; a post at another k says nothing (a rank behind, or one
+whose post is from an earlier wait, which ended: a collective completes only once every rank issued
+one of its kind at its k, so an ended wait at k never disagrees with a later one at k). Stage-3
+gathers carry their own header besides ([Note: the collective header] in collective_header.py),
+which also tells two gathers of the same kind apart. Ranks that differ only in what they compute
+(stage 1 accumulates micro-batches without a collective) issue the same collectives, and nothing
+here can see it.
 """
 
 from __future__ import annotations
@@ -55,10 +73,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import rank_board
 from .collective_header import HEADER_BYTES, Header
 from .comm_volume import CommCounter, NodeLayout, sent_bytes
 from .quantize import QuantSpec, dequantize_sum, quantize_rows
-from .watchdog import Watchdog
+from .watchdog import UnitOrderError, Watchdog
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -124,6 +143,8 @@ class Collectives:
     this rank sent in the last step, closed by ``end_step()``.
     """
 
+    made = 0  # objects made in this process (see [Note: collectives that differ])
+
     def __init__(self, group: Optional[dist.ProcessGroup] = None, collective_timeout: Optional[float] = None,
                  ranks_per_node: Optional[int] = None, *, _parent: Optional["Collectives"] = None) -> None:
         self.group = group
@@ -133,6 +154,10 @@ class Collectives:
         self.backend = str(dist.get_backend(group)) if initialized else "none"
         self.collective_timeout = collective_timeout
         self.watchdog = Watchdog(collective_timeout, dist.get_rank() if initialized else 0, self.backend)
+        Collectives.made += 1  # see [Note: collectives that differ]
+        self._key = f"collective/{Collectives.made}/{self.global_rank(0) if initialized else 0}+{self.world_size}"
+        self.issued = 0  # collectives issued through this object
+        self.mismatch_wait_s = 5.0
         if _parent is None:
             self.nodes = NodeLayout(dist.get_world_size() if initialized else 1, ranks_per_node)
             self.counter = CommCounter()
@@ -144,8 +169,45 @@ class Collectives:
         self._by_broadcasts: Optional[bool] = None  # see _gathers_by_broadcasts
 
     def _pending(self, work: Optional[dist.Work], then: Optional[Callable[[], object]], what: Describe,
-                 waiting: Optional[Callable[[float], None]] = None) -> Pending:
+                 kind: str, waiting: Optional[Callable[[float], None]] = None) -> Pending:
+        """``work`` as a Pending; ``kind`` (its collective's) and the count of collectives issued
+        here tell it apart from another rank's (see [Note: collectives that differ])."""
+        self.issued += 1
+        if self.watchdog.watched:
+            seq, inner = self.issued, waiting
+
+            def waiting(waited: float) -> None:
+                if inner is not None:
+                    inner(waited)
+                if waited >= self.mismatch_wait_s:
+                    self._compare_posted(seq, kind, what)
         return Pending(work, then, self.watchdog, what, waiting)
+
+    def _compare_posted(self, seq: int, kind: str, what: Describe) -> None:
+        """This rank has waited long for its ``seq``-th collective: post it, and raise UnitOrderError
+        if another rank waits at the same ``seq`` for another kind (see [Note: collectives that differ])."""
+        board = rank_board.board()
+        if not board.enabled:
+            return
+        mine = f"{seq}|{kind}|{what()}"
+        try:
+            board.post(self._key, mine)
+            posted = board.posted(self._key)
+        except Exception:  # the store is gone or slow: the watchdog goes on
+            return
+        differ = {}
+        for rank, text in posted.items():
+            their_seq, their_kind, their_what = text.split("|", 2)
+            if int(their_seq) == seq and their_kind != kind:
+                differ[rank] = their_what
+        if differ:
+            lines = [f"  rank {board.rank}: {what()}"] + [f"  rank {r}: {w}" for r, w in sorted(differ.items())]
+            raise UnitOrderError(
+                f"the ranks issued different collectives at the same point (collective {seq} of this group):\n"
+                + "\n".join(lines) + "\n"
+                "Every rank must run the same steps, micro-batches and units in the same order: a rank that ran "
+                "an extra micro-batch (uneven data: use zero_strategy.Join, or the same number of batches on every "
+                "rank), skipped a step, or skipped a module waits for collectives the others never issue.")
 
     def _count(self, kind: str, algorithm: str, nbytes: int) -> None:
         self.counter.add(kind, sent_bytes(algorithm, nbytes, self.world_size), self.inter_node)
@@ -242,8 +304,10 @@ class Collectives:
         if self.backend == "gloo":  # see [Note: reduce-scatter on gloo]
             received = scratch.view(-1) if scratch is not None else torch.empty_like(input).view(-1)
             work = dist.all_to_all_single(received, input.view(-1), group=self.group, async_op=True)
-            return self._pending(work, lambda: torch.sum(received.view(n, -1), 0, out=output.view(-1)), what)
-        return self._pending(_reduce_scatter_single(output, input, group=self.group, async_op=True), None, what)
+            return self._pending(work, lambda: torch.sum(received.view(n, -1), 0, out=output.view(-1)), what,
+                                 "reduce-scatter")
+        return self._pending(_reduce_scatter_single(output, input, group=self.group, async_op=True), None, what,
+                             "reduce-scatter")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: Describe = _unnamed,
                    header: Optional[Header] = None) -> Pending:
@@ -257,7 +321,8 @@ class Collectives:
         self._count("all_gather", "all_gather", nbytes)
         if self._by_broadcasts_at(nbytes):
             return self._gather_by_broadcasts(output, input, what)
-        return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what)
+        return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what,
+                             "all-gather")
 
     def _all_gather_with_header(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
                                 header: Header) -> Pending:
@@ -272,7 +337,7 @@ class Collectives:
             received = header.receive_buffer(n, torch.int32, input.device)
             work = _all_gather_single(received.view(-1), header.send_as(torch.int32, input.device),
                                       group=self.group, async_op=True)
-            checked = self._pending(work, lambda: header.received(received), what, header.waiting)
+            checked = self._pending(work, lambda: header.received(received), what, "all-gather", header.waiting)
             gathered = self._gather_by_broadcasts(output, input, what, header.waiting)
             return Pending(then=lambda: wait_all([checked, gathered]))
         if self.backend == "gloo":
@@ -287,13 +352,14 @@ class Collectives:
             def then() -> None:
                 header.received(staged[:, chunk:].contiguous())  # before anything reads the chunks
                 output.view(n, -1).copy_(staged[:, :chunk])
-            return self._pending(work, then, what, header.waiting)
+            return self._pending(work, then, what, "all-gather", header.waiting)
         received = header.receive_buffer(n, input.dtype, input.device)
         send = header.send_as(input.dtype, input.device)
         with dist._coalescing_manager(self.group, input.device, async_ops=True) as coalesced:
             _all_gather_single(output, input.view(-1), group=self.group)
             _all_gather_single(received.view(-1), send, group=self.group)
-        return self._pending(_Works(coalesced.works), lambda: header.received(received), what, header.waiting)
+        return self._pending(_Works(coalesced.works), lambda: header.received(received), what, "all-gather",
+                             header.waiting)
 
     def _by_broadcasts_at(self, nbytes: int) -> bool:
         """Whether an all-gather of ``nbytes`` output bytes runs as broadcasts ([Note: all-gather on gloo])."""
@@ -307,7 +373,8 @@ class Collectives:
             alone = torch.tensor([int(torch.get_num_threads() == 1)], dtype=torch.int32)
             # not self.all_reduce: set-up, uncounted (see [Note: all-gather on gloo])
             work = dist.all_reduce(alone, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
-            self._pending(work, None, lambda: "all-reduce of whether every rank computes on one thread").wait()
+            self._pending(work, None, lambda: "all-reduce of whether every rank computes on one thread",
+                          "all-reduce").wait()
             self._by_broadcasts = bool(alone.item())
         return self._by_broadcasts
 
@@ -316,7 +383,7 @@ class Collectives:
         chunks = output.view(self.world_size, -1)
         _copy_unless_same(chunks[self.rank], input.view(-1))
         parts = [self._pending(dist.broadcast(chunk, src=self.global_rank(r), group=self.group, async_op=True),
-                               None, what, waiting) for r, chunk in enumerate(chunks)]
+                               None, what, "broadcast", waiting) for r, chunk in enumerate(chunks)]
         return Pending(then=lambda: wait_all(parts))
 
     def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, spec: QuantSpec,
@@ -351,21 +418,22 @@ class Collectives:
         received = torch.empty_like(packed)
         self._count(kind, "all_to_all", packed.numel())
         work = dist.all_to_all_single(received, packed, group=self.group, async_op=True)
-        return self._pending(work, lambda: then(received), what)
+        return self._pending(work, lambda: then(received), what, "all-to-all")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: Describe = _unnamed) -> None:
         """In-place, synchronous broadcast from ``src`` (a rank of this group)."""
         if self.world_size > 1:
             self._count("broadcast", "broadcast", tensor.numel() * tensor.element_size())
             work = dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True)
-            self._pending(work, None, what).wait()
+            self._pending(work, None, what, "broadcast").wait()
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    what: Describe = _unnamed) -> None:
         """In-place, synchronous all-reduce of a small tensor."""
         if self.world_size > 1:
             self._count("all_reduce", "all_reduce", tensor.numel() * tensor.element_size())
-            self._pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), None, what).wait()
+            self._pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), None, what,
+                          "all-reduce").wait()
 
     def all_gather_shards(self, shard: torch.Tensor, what: Describe = _unnamed) -> torch.Tensor:
         """Every rank's equally sized ``shard``, stacked: shape (world_size, *shard.shape)."""

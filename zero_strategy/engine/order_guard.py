@@ -35,6 +35,7 @@ import torch
 from . import rank_board
 from .collective_header import Header, decode, encode
 from .collectives import Collectives
+from .watchdog import UnitOrderError
 
 PHASES = ("forward", "backward", "prefetch for forward", "prefetch for backward", "recomputation in backward",
           "gathered_parameters or a state dict")
@@ -47,10 +48,6 @@ _DOING = (  # what a rank was doing when it gathered ``unit``; ``context`` is th
     "recomputing the forward of {unit} in backward",
     "gathering {unit} outside forward and backward (gathered_parameters, a state dict)",
 )
-
-
-class UnitOrderError(RuntimeError):
-    """Ranks ran different stage-3 units at the same point."""
 
 
 class OrderGuard:

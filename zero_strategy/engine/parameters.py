@@ -54,6 +54,7 @@ See [Note: init-time sharding] in materialize.py for a model built on the meta d
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -123,6 +124,8 @@ class FlatParameters:
         self.world_comm = comm  # every rank; self.comm is the shard group: see [Note: hybrid sharding] in hybrid.py
         self.hybrid = hybrid_groups(comm, config.shard_group_size)
         self.comm = comm = self.hybrid.shard if self.hybrid is not None else comm
+        for c in (self.world_comm, comm):  # see [Note: collectives that differ] in collectives.py
+            c.mismatch_wait_s = config.unit_order_wait if config.check_unit_order else math.inf
         self._device = device
         self._optimizer_of = {p: i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
         params = list(dict.fromkeys(module.parameters() if self.module is not None else module))

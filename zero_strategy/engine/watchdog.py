@@ -53,6 +53,10 @@ class CollectiveError(RuntimeError):
     """A collective failed (a peer's connection closed, the process group timed out)."""
 
 
+class UnitOrderError(RuntimeError):
+    """Ranks ran different stage-3 units, or issued different collectives, at the same point."""
+
+
 _waiting = threading.local()  # .what: the collective the main thread waits for now (None: none)
 _deferred_signal: list[tuple[int, Any]] = []  # SIGTERM received during a wait, for the previous handler
 _previous_handler: Any = None
