@@ -138,12 +138,13 @@ def test_a_rank_running_other_units_at_any_pass_stops_every_rank_before_the_step
         assert unchanged, f"rank {rank}: shards or optimizer state changed in the divergent pass"
 
 
-def _extra_micro_batch_runs(rank, world_size, stages):
-    """At each stage, rank 1 runs one micro-batch more than rank 0 before the step of pass 15 (see
-    [Note: collectives that differ] in collectives.py): stage -> (error or None, seconds from the
-    divergent pass to it, whether this rank's shards and optimizer state are those from before it)."""
+def _step_divergence_runs(rank, world_size, cases):
+    """Each (stage, how) case: at pass 15 rank 1 runs one micro-batch more than rank 0 before the
+    step ("extra micro-batch"), or skips the step ("skipped step"); see [Note: collectives that
+    differ] in collectives.py. -> (error or None, seconds from the divergent pass to it, whether this
+    rank's shards and optimizer state are those from before it)."""
     out = {}
-    for stage in stages:
+    for stage, how in cases:
         group = dist.new_group(list(range(world_size)))
         comm = Collectives(group, collective_timeout=600.0, ranks_per_node=world_size)
         config = ZeroConfig(stage=stage, shard_modules=("Block",), param_persistence_threshold=0, unit_order_wait=1.0)
@@ -151,35 +152,38 @@ def _extra_micro_batch_runs(rank, world_size, stages):
         model = Net()
         sharder = shard_module(model, config, comm=comm)
         opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config, sharder=sharder)
-        error, elapsed, before = None, None, None
-        for step in range(15):
-            micro_batches = 2 if rank == 1 and step == 14 else 1
+        error, elapsed, before, start = None, None, None, 0.0
+        for step in range(16):
+            diverging = rank == 1 and step == 14
             before = _state(sharder, opt) if step == 14 else before
-            start = time.monotonic()
+            start = time.monotonic() if step == 14 else start
             try:
                 opt.zero_grad()
-                for m in range(micro_batches):
+                for m in range(2 if diverging and how == "extra micro-batch" else 1):
                     g = torch.Generator().manual_seed(100 * step + 10 * m + rank)
                     x, y = torch.randn(4, 16, generator=g), torch.randn(4, 1, generator=g)
                     F.mse_loss(model(x), y).backward()
-                opt.step()
+                if not (diverging and how == "skipped step"):
+                    opt.step()
             except UnitOrderError as err:
                 error, elapsed = str(err), time.monotonic() - start
                 break
-        out[stage] = (error, elapsed, all(torch.equal(a, b) for a, b in zip(before, _state(sharder, opt))))
+        out[f"{stage}/{how}"] = (error, elapsed, all(torch.equal(a, b) for a, b in zip(before, _state(sharder, opt))))
     return out
 
 
+STEP_CASES = [(stage, how) for stage in (2, 3) for how in ("extra micro-batch", "skipped step")]
+
+
 @pytest.mark.timeout(240)
-def test_a_rank_running_an_extra_micro_batch_stops_every_rank_at_stages_2_and_3():
-    results = run_distributed(_extra_micro_batch_runs, 2, [2, 3], fresh=True, timeout_s=100)
-    for rank, by_stage in enumerate(results):
-        for stage, (error, elapsed, unchanged) in by_stage.items():
-            assert error is not None, f"stage {stage}, rank {rank}: no UnitOrderError"
+def test_a_rank_running_an_extra_micro_batch_or_skipping_a_step_stops_every_rank():
+    results = run_distributed(_step_divergence_runs, 2, STEP_CASES, fresh=True, timeout_s=100)
+    for rank, by_case in enumerate(results):
+        for case, (error, elapsed, unchanged) in by_case.items():
+            assert error is not None, f"{case}, rank {rank}: no UnitOrderError"
             assert "rank 0:" in error and "rank 1:" in error, error
-            assert elapsed < 30, f"stage {stage}, rank {rank} took {elapsed:.0f} s"
-            if rank == 1:  # it had not stepped yet (rank 0 stepped on the first micro-batches' exact sum)
-                assert unchanged, f"stage {stage}: rank 1's shards or optimizer state changed in the divergent pass"
+            assert elapsed < 30, f"{case}, rank {rank} took {elapsed:.0f} s"
+            assert unchanged, f"{case}, rank {rank}: shards or optimizer state changed after the divergence"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8])
