@@ -49,9 +49,9 @@ ranks with local index l, one per node, which completes each shard. Rounding hap
 [Note: collectives that differ]
 Ranks in step issue the same collectives on a group in the same order, so the k-th collective a
 ``Collectives`` object issued is of the same kind on every rank. When ranks part (one ran an extra
-micro-batch, or skipped a step), two collectives of different kinds meet at the same k on gloo and
-NCCL alike, and both wait: forever, or until ``collective_timeout``. So a watched wait (see [Note:
-hang watchdog] in watchdog.py) that has lasted ``mismatch_wait_s`` (the engine sets it to
+micro-batch, or skipped a step), two collectives of different kinds meet at the same k, and both
+wait: forever, or until ``collective_timeout``. So a watched wait (gloo's: see [Note: hang
+watchdog] in watchdog.py; NCCL's are left to NCCL) that has lasted ``mismatch_wait_s`` (the engine sets it to
 ``unit_order_wait``, 5 s by default) posts "k, kind, what" on the process group's store, under a
 key of this object's (its creation number in the process and its group: every rank makes its
 objects in the same order), and reads what the others posted: another rank waiting at the same k
