@@ -157,7 +157,7 @@ class Collectives:
         Collectives.made += 1  # see [Note: collectives that differ]
         self._key = f"collective/{Collectives.made}/{self.global_rank(0) if initialized else 0}+{self.world_size}"
         self.issued = 0  # collectives issued through this object
-        self.mismatch_wait_s = 5.0
+        self.mismatch_wait_s = _parent.mismatch_wait_s if _parent is not None else 5.0  # a subgroup's: its parent's
         if _parent is None:
             self.nodes = NodeLayout(dist.get_world_size() if initialized else 1, ranks_per_node)
             self.counter = CommCounter()

@@ -122,10 +122,10 @@ class FlatParameters:
         self.module = module if isinstance(module, nn.Module) else None
         self.config = config
         self.world_comm = comm  # every rank; self.comm is the shard group: see [Note: hybrid sharding] in hybrid.py
+        # see [Note: collectives that differ] in collectives.py (subgroups made from now on take it too)
+        comm.mismatch_wait_s = config.unit_order_wait if config.check_unit_order else math.inf
         self.hybrid = hybrid_groups(comm, config.shard_group_size)
         self.comm = comm = self.hybrid.shard if self.hybrid is not None else comm
-        for c in (self.world_comm, comm):  # see [Note: collectives that differ] in collectives.py
-            c.mismatch_wait_s = config.unit_order_wait if config.check_unit_order else math.inf
         self._device = device
         self._optimizer_of = {p: i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
         params = list(dict.fromkeys(module.parameters() if self.module is not None else module))
