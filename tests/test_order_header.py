@@ -60,12 +60,12 @@ CASES = {
     "skip-pass-15-quantized": ("skip", 15, {"quantized_weights": True}, False),
     "other-unit-pass-15-secondary": ("other", 15, {"secondary_partition_size": 2}, False),
     "other-unit-pass-15-deferred": ("other", 15, {}, True),
+    "skip-pass-15-broadcasts": ("skip", 15, {}, False),  # wide blocks: see WIDE
 }
 FOUR_RANKS = ("skip-pass-15", "other-unit-pass-15-secondary")
 # blocks whose gathers go by broadcasts on gloo (one thread per rank, over 1 MiB: [Note: all-gather on
 # gloo]), where the header travels in an all-gather beside them
 WIDE = {"skip-pass-15-broadcasts": 512}
-CASES["skip-pass-15-broadcasts"] = ("skip", 15, {}, False)
 
 
 def _diverging_runs(rank, world_size, cases):

@@ -189,9 +189,9 @@ class Collectives:
         board = rank_board.board()
         if not board.enabled:
             return
-        mine = f"{seq}|{kind}|{what()}"
+        doing = what()
         try:
-            board.post(self._key, mine)
+            board.post(self._key, f"{seq}|{kind}|{doing}")
             posted = board.posted(self._key)
         except Exception:  # the store is gone or slow: the watchdog goes on
             return
@@ -201,7 +201,7 @@ class Collectives:
             if int(their_seq) == seq and their_kind != kind:
                 differ[rank] = their_what
         if differ:
-            lines = [f"  rank {board.rank}: {what()}"] + [f"  rank {r}: {w}" for r, w in sorted(differ.items())]
+            lines = [f"  rank {board.rank}: {doing}"] + [f"  rank {r}: {w}" for r, w in sorted(differ.items())]
             raise UnitOrderError(
                 f"the ranks issued different collectives at the same point (collective {seq} of this group):\n"
                 + "\n".join(lines) + "\n"
