@@ -23,6 +23,7 @@ from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
 from zero_strategy.engine.comm_volume import sent_bytes
 from zero_strategy.engine.hybrid import HybridMesh, resolve_shard_group_size
+from zero_strategy.engine.step_tally import TALLY_BYTES
 from zero_strategy.memory import estimate_memory, memory_stats
 
 from .distributed import run_distributed
@@ -236,8 +237,8 @@ def test_accumulating_equals_ddp_and_the_boundary_all_reduces_once_per_step(runs
     for rank in range(WORLD):  # (all deferred: the step all-reduces each shard once instead)
         assert runs[rank][name]["stats"] == want, f"rank {rank}"
     # what crosses nodes: each gradient shard's all-reduce across the replicas, and once per step the
-    # all-reduce of which parameters got gradients
-    mask = sent_bytes("all_reduce", len(list(model.parameters())), WORLD)
+    # all-reduce of which parameters got gradients, with the step's tally
+    mask = sent_bytes("all_reduce", len(list(model.parameters())) + TALLY_BYTES, WORLD)
     once = predict_step_bytes(model, block_net_config(stage, shard_group_size=2), WORLD, PER_NODE)  # one micro-batch
     replica_sums = ACCUM if options.get("replica_all_reduce") == "every_backward" else 1
     assert want["inter_node"] - mask == replica_sums * (once["inter_node"] - mask) > 0

@@ -12,10 +12,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from zero_strategy import gathered_parameters
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
 from zero_strategy.engine.collective_header import HEADER_BYTES, Header, decode, encode
 from zero_strategy.engine.order_guard import UnitOrderError
+from zero_strategy.engine.step_tally import TALLY_BYTES, agreed, tally_bytes
 
 from .distributed import run_distributed
 
@@ -140,8 +142,9 @@ def test_a_rank_running_other_units_at_any_pass_stops_every_rank_before_the_step
 
 def _step_divergence_runs(rank, world_size, cases):
     """Each (stage, how) case: at pass 15 rank 1 runs one micro-batch more than rank 0 before the
-    step ("extra micro-batch"), or skips the step ("skipped step"); see [Note: collectives that
-    differ] in collectives.py. -> (error or None, seconds from the divergent pass to it, whether this
+    step ("extra micro-batch"), skips the step ("skipped step") or enters gathered_parameters alone; see [Note: collectives that
+    differ] in collectives.py (stages 2-3) and [Note: the step's tally] in step_tally.py (stage 1,
+    whose collectives are the same either way). -> (error or None, seconds from the divergent pass to it, whether this
     rank's shards and optimizer state are those from before it)."""
     out = {}
     for stage, how in cases:
@@ -158,6 +161,9 @@ def _step_divergence_runs(rank, world_size, cases):
             before = _state(sharder, opt) if step == 14 else before
             start = time.monotonic() if step == 14 else start
             try:
+                if diverging and how == "gathered_parameters":  # entered on one rank only
+                    with gathered_parameters(model):
+                        pass
                 opt.zero_grad()
                 for m in range(2 if diverging and how == "extra micro-batch" else 1):
                     g = torch.Generator().manual_seed(100 * step + 10 * m + rank)
@@ -172,7 +178,8 @@ def _step_divergence_runs(rank, world_size, cases):
     return out
 
 
-STEP_CASES = [(stage, how) for stage in (2, 3) for how in ("extra micro-batch", "skipped step")]
+STEP_CASES = [(stage, how) for stage in (1, 2, 3) for how in ("extra micro-batch", "skipped step")] + \
+    [(3, "gathered_parameters")]  # see [Note: gathers outside passes] in parameters.py
 
 
 @pytest.mark.timeout(240)
@@ -182,6 +189,12 @@ def test_a_rank_running_an_extra_micro_batch_or_skipping_a_step_stops_every_rank
         for case, (error, elapsed, unchanged) in by_case.items():
             assert error is not None, f"{case}, rank {rank}: no UnitOrderError"
             assert "rank 0:" in error and "rank 1:" in error, error
+            if case.startswith("1/"):  # both ranks at their 15th step, rank 1 after one more backward
+                assert "the ranks reached this optimizer step after different work" in error, error
+                assert "rank 0: step 15, after 15 backward passes" in error, error
+                assert "rank 1: step 15, after 16 backward passes" in error, error
+            if case.endswith("gathered_parameters"):
+                assert "barrier that begins gathered_parameters" in error, error
             assert elapsed < 30, f"{case}, rank {rank} took {elapsed:.0f} s"
             assert unchanged, f"{case}, rank {rank}: shards or optimizer state changed after the divergence"
 
@@ -197,3 +210,16 @@ def test_a_header_keeps_its_words_exactly_in_any_dtype(dtype):
     received[0], received[1] = sent, sent
     header.received(received)
     assert decode(seen[0]) == [(2**31 - 1, 70_000, 4_000, 5, -1)] * 2
+
+
+def test_the_tally_agrees_exactly_when_every_rank_sent_the_same():
+    g = torch.Generator().manual_seed(0)
+    values = [0, 1, 255, 256, 2**31 - 1] + torch.randint(0, 2**31 - 1, (20,), generator=g).tolist()
+    for steps in values:
+        for backwards in (steps, steps + 1, steps ^ 0x100, 0):
+            mine = tally_bytes(steps, steps)
+            other = tally_bytes(steps, backwards)
+            reduced = torch.maximum(mine, other)  # the all-reduce's MAX over the two ranks
+            same = backwards == steps
+            assert agreed(mine, reduced) == same and agreed(other, reduced) == same, (steps, backwards)
+    assert tally_bytes(7, 9).numel() == TALLY_BYTES

@@ -48,6 +48,7 @@ from .engine.hybrid import resolve_shard_group_size
 from .engine.layout import GroupLayout, align_elements, plan_group
 from .engine.parameters import split_groups
 from .engine.quantize import QuantSpec, packed_row_bytes
+from .engine.step_tally import TALLY_BYTES
 from .engine.unit_plan import plan_units
 
 PHASES = ("forward", "backward", "step")
@@ -227,7 +228,8 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
             step.reduce(g, grads_q)
     flags = sum(len(g.layout.numels) for g in trainable)
     if flags:
-        step.world_collective("all_reduce", flags)  # which parameters got a gradient, one byte each
+        # which parameters got a gradient, one byte each, and the tally (see engine/step_tally.py)
+        step.world_collective("all_reduce", flags + TALLY_BYTES)
     if loss_scaling:  # over the shard group: the replicas hold the same reduced shards
         step.shard_collective("all_reduce", 1)  # the overflow flag
     if clipping:

@@ -155,7 +155,7 @@ class Collectives:
         self.collective_timeout = collective_timeout
         self.watchdog = Watchdog(collective_timeout, dist.get_rank() if initialized else 0, self.backend)
         Collectives.made += 1  # see [Note: collectives that differ]
-        self._key = f"collective/{Collectives.made}/{self.global_rank(0) if initialized else 0}+{self.world_size}"
+        self.key = f"collective/{Collectives.made}/{self.global_rank(0) if initialized else 0}+{self.world_size}"
         self.issued = 0  # collectives issued through this object
         self.mismatch_wait_s = _parent.mismatch_wait_s if _parent is not None else 5.0  # a subgroup's: its parent's
         if _parent is None:
@@ -191,8 +191,8 @@ class Collectives:
             return
         doing = what()
         try:
-            board.post(self._key, f"{seq}|{kind}|{doing}")
-            posted = board.posted(self._key)
+            board.post(self.key, f"{seq}|{kind}|{doing}")
+            posted = board.posted(self.key)
         except Exception:  # the store is gone or slow: the watchdog goes on
             return
         differ = {}
@@ -207,7 +207,9 @@ class Collectives:
                 + "\n".join(lines) + "\n"
                 "Every rank must run the same steps, micro-batches and units in the same order: a rank that ran "
                 "an extra micro-batch (uneven data: use zero_strategy.Join, or the same number of batches on every "
-                "rank), skipped a step, or skipped a module waits for collectives the others never issue.")
+                "rank), skipped a step, or skipped a module waits for collectives the others never issue; and at stage "
+                "3 gathered_parameters and state dicts are collectives too, to enter on every rank (not under `if "
+                "rank == 0:`).")
 
     def _count(self, kind: str, algorithm: str, nbytes: int) -> None:
         self.counter.add(kind, sent_bytes(algorithm, nbytes, self.world_size), self.inter_node)
@@ -434,6 +436,11 @@ class Collectives:
             self._count("all_reduce", "all_reduce", tensor.numel() * tensor.element_size())
             self._pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), None, what,
                           "all-reduce").wait()
+
+    def barrier(self, what: Describe = _unnamed) -> None:
+        """Synchronous barrier of the group; uncounted (it carries no data)."""
+        if self.world_size > 1:
+            self._pending(dist.barrier(group=self.group, async_op=True), None, what, "barrier").wait()
 
     def all_gather_shards(self, shard: torch.Tensor, what: Describe = _unnamed) -> torch.Tensor:
         """Every rank's equally sized ``shard``, stacked: shape (world_size, *shard.shape)."""

@@ -35,6 +35,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import step_tally
 from .collectives import Collectives, Pending, after
 from .flat import FlatGroup
 from .hybrid import DeferredReplicaSum, HybridGroups
@@ -73,6 +74,10 @@ def _on_grad_of(reducer: "weakref.ref[GradientReducer]", gi: int, i: int, param:
     parameters' gradients accumulate in ``.grad`` as without this package."""
     target = reducer()
     if target is not None:
+        if not target._in_backward:  # this backward's first gradient: count the pass (see [Note: the step's tally])
+            target.backwards += 1
+            target._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(target._backward_ended)
         target._on_grad(gi, i, param)
 
 
@@ -101,6 +106,8 @@ class GradientReducer:
             self._rounding = torch.Generator(self.groups[0].device)
             self._rounding.manual_seed(ROUNDING_SEED + self.comm.rank)
         self.received = [[False] * len(g.params) for g in self.groups]
+        self.backwards = 0  # backward passes that reached these parameters (see [Note: the step's tally])
+        self._in_backward = False
         me = weakref.ref(self)  # see [Note: hooks that hold the reducer weakly]
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_on_grad_of, me, gi, i))
@@ -109,6 +116,9 @@ class GradientReducer:
 
     def _on_grad(self, gi: int, i: int, param: torch.nn.Parameter) -> None:
         raise NotImplementedError
+
+    def _backward_ended(self) -> None:
+        self._in_backward = False
 
     def _reduce_scatter(self, gi: int, output: torch.Tensor, input: torch.Tensor, what,
                         fold: Optional[torch.Tensor] = None, sum_replicas: bool = True) -> Pending:
@@ -150,14 +160,19 @@ class GradientReducer:
         device's copies are done)."""
         raise NotImplementedError
 
-    def received_anywhere(self) -> list[list[bool]]:
-        """Which parameters got a gradient on at least one rank since zero_grad (one all-reduce)."""
+    def received_anywhere(self, steps: int) -> list[list[bool]]:
+        """Which parameters got a gradient on at least one rank since zero_grad (one all-reduce,
+        which checks that every rank is at its ``steps``-th step after as many backward passes as
+        this one: see [Note: the step's tally])."""
         flags = [f for per_group in self.received for f in per_group]
         if not flags:
             return []
-        mask = torch.tensor(flags, dtype=torch.uint8, device=self.groups[0].device)
+        tally = step_tally.tally_bytes(steps, self.backwards)
+        mask = torch.cat([torch.tensor(flags, dtype=torch.uint8), tally]).to(self.groups[0].device)
         self.world.all_reduce(mask, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters got gradients")
-        values, out = mask.tolist(), []
+        key = f"tally/{self.world.key}/{self.world.issued}"  # this all-reduce, named alike on every rank
+        step_tally.check(tally, mask[len(flags):], steps, self.backwards, key)
+        values, out = mask[: len(flags)].tolist(), []
         for per_group in self.received:
             out.append([bool(v) for v in values[: len(per_group)]])
             values = values[len(per_group):]

@@ -76,6 +76,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
         self.scaler = scaler
         self._step = StepGradients()  # see [Note: state behind LightningOptimizer] in step_grads.py
+        self.steps_begun = 0  # reduce_gradients calls that reduced (see [Note: the step's tally] in step_tally.py)
         self.step_backend: StepBackend = build_step_backend(backend, self._stepped, config, weakref.proxy(self))
         weakref.finalize(self, self.step_backend.close)
         self.reducer = make_reducer(self.groups, config.stage, self.comm, sharder.position,
@@ -153,7 +154,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._step.ready:
             return
         self.reducer.reduce()
-        received = self.reducer.received_anywhere()
+        self.steps_begun += 1
+        received = self.reducer.received_anywhere(self.steps_begun)
         self.step_backend.gradients_reduced()
         pairs, where = [], []
         for ref in self.pieces():

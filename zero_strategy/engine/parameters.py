@@ -29,6 +29,18 @@ the order guard, and the flat groups themselves (see [Note: one owner of the fla
   guesses, and the collectives they issue, agree across ranks; the order guard checks it (see
   [Note: order guard] in order_guard.py).
 
+[Note: gathers outside passes]
+``gathered_parameters`` and the full state dicts gather units outside any pass, and every rank must
+enter them together. A rank that enters alone (``if rank == 0: model.state_dict()``) issues
+all-gathers that meet the others' training gathers: of the same size, the headers tell (see
+[Note: order guard]); of another size, gloo ends both processes with its own message ("Received data
+size doesn't match expected size"), before any check of ours can run. So on gloo each such entry
+begins with a barrier, a collective of another kind than anything a pass issues, which ranks in step
+all pass. A rank that entered alone waits in it while the others wait in their gathers, and after
+``unit_order_wait`` both stop with the UnitOrderError of [Note: collectives that differ] in
+collectives.py, naming the entry and the gather. It costs one barrier per entry, none per pass. NCCL
+waits are not watched, so there it is skipped.
+
 [Note: compiled modules]
 The unit hooks are plain Python (unit states, collectives, the order guard) that dynamo cannot
 trace, so they are ``torch._dynamo.disable``d: under ``torch.compile`` each one is a graph break,
@@ -440,8 +452,15 @@ class FlatParameters:
                 names.setdefault(value, []).append(key)  # tied weights have several names
         return entries, names
 
+    def meet_outside(self, what: str) -> None:
+        """Every rank enters ``what`` (gathered_parameters, a state dict) together, or stops with
+        UnitOrderError: see [Note: gathers outside passes]."""
+        if self.config.stage == 3 and self.comm.watchdog.watched and self.comm.world_size > 1:
+            self.comm.barrier(lambda: f"barrier that begins {what} (every rank must enter it)")
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict with every parameter whole, as CPU copies. A collective."""
+        self.meet_outside("a full state dict")
         entries, names = self._names()
         out: dict[str, torch.Tensor] = {}
 
@@ -483,6 +502,7 @@ class FlatParameters:
                 if key is not None:
                     load(key, p.data)
 
+        self.meet_outside("loading a full state dict")
         with torch.no_grad():
             for unit in self.all_units:
                 self.gather(unit)
@@ -537,6 +557,8 @@ def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
     sharders = owners_of(params)
     wanted = set(params)
     units = [(s, u) for s in sharders for u in s.all_units if any(p in wanted for g in u.groups for p in g.params)]
+    for s in dict.fromkeys(s for s, _ in units):
+        s.meet_outside("gathered_parameters")
     for s, u in units:
         u.hold()  # forwards inside the block must not release it
         s.gather(u)

@@ -1,0 +1,89 @@
+"""Every rank steps after the same backward passes: checked inside the step's first all-reduce.
+
+[Note: the step's tally]
+Ranks that part by whole passes issue the same collectives in the same order: at stage 1 a rank
+that ran one micro-batch more before a step, or skipped a step and accumulated into the next, sends
+nothing until the step, and the step's collectives are the same on every rank (so neither the
+gather headers of stage 3 nor the comparison of kinds in [Note: collectives that differ] can see
+it); the step then averages gradients of different micro-batches, silently. So each step's
+all-reduce of which parameters got a gradient (one per step, over every rank, before any update)
+carries a *tally*: the steps this rank's optimizer began and the backward passes its gradient hooks
+saw, both since the engine was made. Ranks in step agree on both (a joined rank, see join.py,
+replays the others' passes and steps, so it agrees too).
+
+That all-reduce takes the largest value, elementwise, of bytes. A tally word goes as its eight bytes
+b and their complements 255 - b: the largest b over the ranks is the rank's own, and the largest
+255 - b is 255 minus its own, exactly when the smallest and largest b are equal, that is when every
+rank sent the same byte. So every rank learns whether every rank sent its tally, at no collective
+of its own: 32 bytes more in one small all-reduce per step, whatever the number of ranks (32 more
+bytes at 1,024 ranks too, counted by ``comm_stats()`` and predicted by comm_model.py). A rank that
+differs from any other sees its own bytes overtaken in one of the two halves, so every rank of a
+tally that disagrees raises ``UnitOrderError`` before the step changes anything; to name what each
+rank did, each posts its tally on the process group's store and reads the others' (for at most
+``NAME_WAIT_S``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from . import rank_board
+from .watchdog import UnitOrderError
+
+WORDS = 2  # steps begun, backward passes
+TALLY_BYTES = 2 * 8 * WORDS
+"""Bytes the tally adds to the step's all-reduce of which parameters got a gradient."""
+
+NAME_WAIT_S = 5.0
+"""How long a rank that found a disagreement waits for the others' posted tallies, to name them."""
+
+
+def tally_bytes(steps: int, backwards: int) -> torch.Tensor:
+    """The ``TALLY_BYTES`` a rank adds: the words' bytes, then their complements (uint8)."""
+    raw = torch.tensor([steps, backwards], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([raw, 255 - raw])
+
+
+def agreed(sent: torch.Tensor, reduced: torch.Tensor) -> bool:
+    """Whether every rank sent ``sent``, from the elementwise maximum ``reduced`` of every rank's."""
+    return torch.equal(sent, reduced.to(sent.device))
+
+
+def _describe(text: str) -> str:
+    steps, backwards = text.split(",")
+    return f"step {int(steps)}, after {int(backwards)} backward passes since the engine was made"
+
+
+def raise_disagreement(steps: int, backwards: int, key: str) -> None:
+    """This rank's tally differs from another's: post it, read the others' and raise UnitOrderError."""
+    mine = f"{steps},{backwards}"
+    board = rank_board.board()
+    posted: dict[int, str] = {}
+    if board.enabled:
+        board.post(key, mine)
+        deadline = time.monotonic() + NAME_WAIT_S
+        while True:
+            try:
+                posted = board.posted(key)
+            except Exception:  # the store is gone: name this rank alone
+                break
+            if len(posted) >= board.world_size - 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    lines = [f"  rank {r}: {_describe(t)}" for r, t in sorted({board.rank: mine, **posted}.items())]
+    missing = "" if len(posted) >= board.world_size - 1 else "\n  (the other ranks did not say theirs in time)"
+    raise UnitOrderError(
+        "the ranks reached this optimizer step after different work:\n" + "\n".join(lines) + missing + "\n"
+        "Every rank must run the same number of micro-batches (backward passes) before each step and take every "
+        "step: a rank with one more batch (uneven data: use zero_strategy.Join, or drop the last batches, as a "
+        "DistributedSampler with drop_last does), a backward skipped or repeated on one rank, or a step skipped on "
+        "one rank averages gradients of different passes. Nothing was updated.")
+
+
+def check(sent: torch.Tensor, reduced: torch.Tensor, steps: int, backwards: int, key: Optional[str]) -> None:
+    """Raise UnitOrderError on this rank if the ranks' tallies differ (``key``: where to post them)."""
+    if not agreed(sent, reduced):
+        raise_disagreement(steps, backwards, key or "tally")
