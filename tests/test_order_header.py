@@ -141,13 +141,14 @@ def test_a_rank_running_other_units_at_any_pass_stops_every_rank_before_the_step
 
 
 def _step_divergence_runs(rank, world_size, cases):
-    """Each (stage, how) case: at pass 15 rank 1 runs one micro-batch more than rank 0 before the
-    step ("extra micro-batch"), skips the step ("skipped step") or enters gathered_parameters alone; see [Note: collectives that
-    differ] in collectives.py (stages 2-3) and [Note: the step's tally] in step_tally.py (stage 1,
-    whose collectives are the same either way). -> (error or None, seconds from the divergent pass to it, whether this
-    rank's shards and optimizer state are those from before it)."""
+    """Each (stage, how, pass) case: at that pass (1-based) rank 1 runs one micro-batch more than
+    the others before the step ("extra micro-batch"), skips the step ("skipped step") or enters
+    gathered_parameters alone; see [Note: collectives that differ] in collectives.py (stages 2-3),
+    [Note: the step's tally] in step_tally.py (stage 1, whose collectives are the same either way)
+    and [Note: gathers outside passes] in parameters.py. -> (error or None, seconds from the
+    divergent pass to it, whether this rank's shards and optimizer state are those from before it)."""
     out = {}
-    for stage, how in cases:
+    for stage, how, at_pass in cases:
         group = dist.new_group(list(range(world_size)))
         comm = Collectives(group, collective_timeout=600.0, ranks_per_node=world_size)
         config = ZeroConfig(stage=stage, shard_modules=("Block",), param_persistence_threshold=0, unit_order_wait=1.0)
@@ -156,10 +157,11 @@ def _step_divergence_runs(rank, world_size, cases):
         sharder = shard_module(model, config, comm=comm)
         opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config, sharder=sharder)
         error, elapsed, before, start = None, None, None, 0.0
-        for step in range(16):
-            diverging = rank == 1 and step == 14
-            before = _state(sharder, opt) if step == 14 else before
-            start = time.monotonic() if step == 14 else start
+        for step in range(at_pass + 1):
+            at = step == at_pass - 1
+            diverging = rank == 1 and at
+            before = _state(sharder, opt) if at else before
+            start = time.monotonic() if at else start
             try:
                 if diverging and how == "gathered_parameters":  # entered on one rank only
                     with gathered_parameters(model):
@@ -174,29 +176,35 @@ def _step_divergence_runs(rank, world_size, cases):
             except UnitOrderError as err:
                 error, elapsed = str(err), time.monotonic() - start
                 break
-        out[f"{stage}/{how}"] = (error, elapsed, all(torch.equal(a, b) for a, b in zip(before, _state(sharder, opt))))
+        out[(stage, how, at_pass)] = (error, elapsed, all(torch.equal(a, b) for a, b in zip(before, _state(sharder, opt))))
     return out
 
 
-STEP_CASES = [(stage, how) for stage in (1, 2, 3) for how in ("extra micro-batch", "skipped step")] + \
-    [(3, "gathered_parameters")]  # see [Note: gathers outside passes] in parameters.py
+STEP_CASES = {
+    2: [(stage, how, 15) for stage in (1, 2, 3) for how in ("extra micro-batch", "skipped step")]
+    + [(1, "skipped step", 1), (1, "extra micro-batch", 101), (3, "gathered_parameters", 15)],
+    4: [(1, "extra micro-batch", 15), (2, "skipped step", 15)],
+}
 
 
 @pytest.mark.timeout(240)
 def test_a_rank_running_an_extra_micro_batch_or_skipping_a_step_stops_every_rank():
-    results = run_distributed(_step_divergence_runs, 2, STEP_CASES, fresh=True, timeout_s=100)
-    for rank, by_case in enumerate(results):
-        for case, (error, elapsed, unchanged) in by_case.items():
-            assert error is not None, f"{case}, rank {rank}: no UnitOrderError"
-            assert "rank 0:" in error and "rank 1:" in error, error
-            if case.startswith("1/"):  # both ranks at their 15th step, rank 1 after one more backward
-                assert "the ranks reached this optimizer step after different work" in error, error
-                assert "rank 0: step 15, after 15 backward passes" in error, error
-                assert "rank 1: step 15, after 16 backward passes" in error, error
-            if case.endswith("gathered_parameters"):
-                assert "barrier that begins gathered_parameters" in error, error
-            assert elapsed < 30, f"{case}, rank {rank} took {elapsed:.0f} s"
-            assert unchanged, f"{case}, rank {rank}: shards or optimizer state changed after the divergence"
+    for world, cases in STEP_CASES.items():
+        results = run_distributed(_step_divergence_runs, world, cases, fresh=True, timeout_s=100)
+        for rank, by_case in enumerate(results):
+            for (stage, how, at_pass), (error, elapsed, unchanged) in by_case.items():
+                case = f"{world} ranks, stage {stage}, {how} at pass {at_pass}, rank {rank}"
+                assert error is not None, f"{case}: no UnitOrderError"
+                assert f"rank {rank}:" in error and "rank 1:" in error, error  # itself, and the rank that differs
+                if stage == 1:  # every rank at its step at_pass, rank 1 after one more backward
+                    assert "the ranks reached this optimizer step after different work" in error, error
+                    assert f"rank 0: step {at_pass}, after {at_pass} backward passes" in error, error
+                    assert f"rank 1: step {at_pass}, after {at_pass + 1} backward passes" in error, error
+                    assert all(f"rank {r}:" in error for r in range(world)), error
+                if how == "gathered_parameters":
+                    assert "barrier that begins gathered_parameters" in error, error
+                assert elapsed < 30, f"{case} took {elapsed:.0f} s"
+                assert unchanged, f"{case}: shards or optimizer state changed after the divergence"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8])
