@@ -62,7 +62,7 @@ one of its kind at its k, so an ended wait at k never disagrees with a later one
 gathers carry their own header besides ([Note: the collective header] in collective_header.py),
 which also tells two gathers of the same kind apart. Ranks that differ only in what they compute
 (stage 1 accumulates micro-batches without a collective) issue the same collectives, and nothing
-here can see it.
+here can see it: the step's tally does ([Note: the step's tally] in step_tally.py).
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ class CollectiveError(RuntimeError):
 
 
 class UnitOrderError(RuntimeError):
-    """Ranks ran different stage-3 units, or issued different collectives, at the same point."""
+    """Ranks ran different stage-3 units, issued different collectives at the same point, or reached
+    a step after different work (see [Note: the step's tally] in step_tally.py)."""
 
 
 _waiting = threading.local()  # .what: the collective the main thread waits for now (None: none)
