@@ -198,13 +198,16 @@ class Int8State:
         n = hi - lo
         values = torch.empty(n, dtype=torch.float32, device=self.codes.device) if out is None else out.view(-1)
         codes = self.codes[lo:hi]
+        scales = self.scales[lo // self.block: -(-hi // self.block)]
+        if _compiled_codec(values, codes):  # one pass, the same bits: see [Note: the compiled CPU codec]
+            _cpu_codec().decode(codes, scales, _device_map(self.signed, codes.device), values, self.block)
+            return values if out is None else out
         pairs_fit = n % 2 == 0 and lo % 2 == 0 and values.data_ptr() % 8 == 0
         if pairs_fit and codes.device.type == "cpu":  # two codes per gather (on CUDA a gather is not the cost)
             pairs = codes.view(torch.uint16).to(torch.int32)
             torch.index_select(_pair_map(self.signed, codes.device), 0, pairs, out=values.view(torch.int64))
         else:
             torch.index_select(_device_map(self.signed, codes.device), 0, codes.to(torch.int32), out=values)
-        scales = self.scales[lo // self.block: -(-hi // self.block)]
         full = n // self.block
         values[: full * self.block].view(full, self.block).mul_(scales[:full, None])
         if full * self.block < n:
@@ -225,6 +228,12 @@ class Int8State:
         if x.dtype != torch.float32:
             x = x.float()
         n = x.numel()
+        if _compiled_codec(x, self.codes):
+            whole = -(-n // self.block)
+            scales, codes = self.scales[lo // self.block: lo // self.block + whole], self.codes[lo: lo + n]
+            if not _cpu_codec().encode(x.contiguous(), self.block, self.signed, _code_table(self.signed), scales, codes):
+                raise ValueError(_NEGATIVE_UNSIGNED)
+            return
         pad = -n % self.block
         blocks = (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(-1, self.block)
         scales = self.scales[lo // self.block: lo // self.block + blocks.shape[0]]
@@ -234,12 +243,28 @@ class Int8State:
             torch.amax(torch.abs(blocks, out=normal.view(-1, self.block)), dim=1, out=scales)
         else:
             torch.amax(blocks, dim=1, out=scales)
+            scales += 0.0  # a block of zeros' scale is +0.0 even where its maximum was -0.0 (as the C codec's)
             if bool((torch.amin(blocks, dim=1) < 0).any()):  # one sync per range: the map has no negative codes
-                raise ValueError("the unsigned int8 map stores non-negative state (a second moment); a negative "
-                                 "value needs the signed map")
+                raise ValueError(_NEGATIVE_UNSIGNED)
         safe = torch.where(scales > 0, scales, 1.0)  # a block of zeros: its codes are zero's
         torch.div(blocks, safe[:, None], out=normal.view(-1, self.block))
         nearest_codes(normal[:n], self.signed, out=self.codes[lo: lo + n], checked_nonnegative=not self.signed)
+
+
+_NEGATIVE_UNSIGNED = ("the unsigned int8 map stores non-negative state (a second moment); a negative value needs "
+                      "the signed map")
+
+
+def _cpu_codec() -> Any:
+    from ..kernels import cpu_codec  # noqa: PLC0415  (zero_strategy.kernels imports this module)
+
+    return cpu_codec
+
+
+def _compiled_codec(values: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether the compiled C codec takes these fp32 values and their codes (see [Note: the compiled CPU
+    codec])."""
+    return values.dtype == torch.float32 and _cpu_codec().usable(values, codes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -335,6 +360,13 @@ def round_to_bf16(x: torch.Tensor, stochastic: bool, seed: int = 0, step: int = 
     if flat.dtype != torch.float32:
         flat = flat.float()
     flat = flat.contiguous()
+    if _compiled_codec(flat, flat):  # one pass, the same bits: see [Note: the compiled CPU codec]
+        direct = out is not None and out.dtype == torch.bfloat16 and out.is_contiguous()
+        target = out if direct else torch.empty(flat.shape, dtype=torch.bfloat16)
+        _cpu_codec().bf16_stochastic(flat, start * 0x9E3779B97F4A7C15 + sr_base(seed, step, key, slot), target)
+        if out is None:
+            return target.view_as(x)
+        return out if direct else out.copy_(target.view_as(out))
     bits = flat.view(torch.int32)
     noisy = random_bits16(seed, step, key, start, flat.numel(), flat.device, slot)
     noisy += bits

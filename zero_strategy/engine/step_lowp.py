@@ -14,10 +14,12 @@ state lives here, one encoding per piece and state key, read and written a tile'
 Speed: the scratch is the same memory at every tile (fp32 buffers of a tile, one per state key and
 for the bf16 weights, the gradient and the int8 normalisation, kept from step to step: a few MiB),
 and one scratch optimizer of the user's class steps every tile (its param group's settings and
-parameter set per tile). What remains above the fp32-state step is the encodings' own passes: an
-int8 decode is a gather per two codes and a multiply, an encode a block maximum, a divide, one
-gather and integer arithmetic (see [Note: the code table] in lowp.py); stochastic rounding hashes
-every element (int64 arithmetic). Figures: benchmarks/RESULTS.md, "Low-precision step time".
+parameter set per tile). What remains above the fp32-state step is the encodings' own work: an
+int8 decode is a table lookup and a multiply per element, an encode a block maximum, a divide, a
+lookup and integer arithmetic (see [Note: the code table] in lowp.py); stochastic rounding hashes
+every element (int64 arithmetic). On CPU each of these is one pass of compiled C (see [Note: the
+compiled CPU codec] in kernels/cpu_codec.py), else a dozen torch passes with the same bits.
+Figures: benchmarks/RESULTS.md, "Low-precision step time".
 
 Exactness across world sizes and stages: an int8 block holds parameter elements [i * block, (i + 1)
 * block), and the flat layout starts every parameter and ends every shard at a multiple of the

@@ -3,7 +3,8 @@
 Every function runs the CUDA kernels when its tensors are CUDA tensors the kernels take and CuPy
 imports, and the torch reference otherwise (see [Note: when the kernels run] in ops.py); the
 results agree either way. ``ZERO_STRATEGY_KERNELS=torch`` (or ``set_backend("torch")``) forces the
-reference everywhere.
+reference everywhere, and the torch code of the CPU int8 and bf16 state codec, whose C version
+(int8_codec.c, built at run time by the system's C compiler: cpu_codec.py) otherwise runs on CPU.
 
     adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay=0.0,
               decoupled=False, maximize=False, grad_scale=1.0, lowp_out=None) -> None

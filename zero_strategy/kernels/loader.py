@@ -31,7 +31,8 @@ import torch
 
 ENV_VAR = "ZERO_STRATEGY_KERNELS"
 BACKENDS = ("auto", "torch")
-"""auto: the CUDA kernels for CUDA tensors when CuPy imports, torch elsewhere; torch: always torch."""
+"""auto: the CUDA kernels for CUDA tensors when CuPy imports, torch elsewhere (and on CPU the compiled
+low-precision state codec: cpu_codec.py); torch: always torch."""
 
 GRAD_TYPES = ("float", "bf16_t", "f16_t")
 OUT_TYPES = ("no_out_t", "bf16_t", "f16_t")
