@@ -21,10 +21,19 @@ typedef union {
     int32_t i;
 } word_t;
 
+/* Whole blocks (or, for the rounding, chunks of positions) per thread: [lo, hi) of part p of parts. The
+ * serial loops stay in functions of their own, outside the OpenMP region, where gcc vectorises them
+ * (inside it, it leaves the table lookups scalar). */
+static inline void part_bounds(int64_t units, int64_t unit, int64_t n, int p, int parts, int64_t *lo, int64_t *hi) {
+    const int64_t per = (units + parts - 1) / parts;
+    *lo = p * per * unit < n ? p * per * unit : n;
+    *hi = (p + 1) * per * unit < n ? (p + 1) * per * unit : n;
+}
+
 /* values[i] = map[codes[i]] * scales[i / block] for i in [0, n): the codes of whole blocks from the
  * range's first one, whose scale is scales[0]. */
-void zs_int8_decode(const uint8_t *restrict codes, const float *restrict scales, const float *restrict map,
-                    float *restrict values, int64_t n, int64_t block) {
+static void decode_serial(const uint8_t *restrict codes, const float *restrict scales, const float *restrict map,
+                          float *restrict values, int64_t n, int64_t block) {
     for (int64_t lo = 0; lo < n; lo += block) {
         const int64_t len = n - lo < block ? n - lo : block;
         const float scale = scales[lo / block];
@@ -35,25 +44,29 @@ void zs_int8_decode(const uint8_t *restrict codes, const float *restrict scales,
     }
 }
 
+void zs_int8_decode(const uint8_t *codes, const float *scales, const float *map, float *values, int64_t n,
+                    int64_t block, int threads) {
+    const int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int p = 0; p < threads; p++) {
+        int64_t lo, hi;
+        part_bounds(blocks, block, n, p, threads, &lo, &hi);
+        if (hi > lo)
+            decode_serial(codes + lo, scales + lo / block, map, values + lo, hi - lo, block);
+    }
+}
+
 /* The codes and scales of x[0, n) (whole blocks from x[0]; the last may be short, as if padded with
  * zeros). scales[b]: the block's largest magnitude (signed map) or largest value (unsigned map), a zero
  * one as +0.0; codes: the table's nearest code of each x over its block's scale (1.0 for a zero scale).
- * Returns 0, or 1 when the map is unsigned and a value is below zero (nothing is written then).
  *
  * The maximum is taken over the bits as int32, which order like the values for everything at or above
  * +0.0 (a magnitude's bits, an unsigned map's values): the same value as torch's maximum, and a loop
  * that vectorises (a float maximum, with its NaN and signed-zero rules, does not). A NaN is found from
  * its bits: above infinity's once the sign bit is cleared. */
-int zs_int8_encode(const float *restrict x, int64_t n, int64_t block, int is_signed, const int32_t *restrict table,
-                   float *restrict scales, uint8_t *restrict codes) {
+static void encode_serial(const float *restrict x, int64_t n, int64_t block, int is_signed,
+                          const int32_t *restrict table, float *restrict scales, uint8_t *restrict codes) {
     const word_t *bits = (const word_t *)x;
-    if (!is_signed) {
-        int negative = 0;
-        for (int64_t i = 0; i < n; i++)
-            negative |= x[i] < 0.0f;
-        if (negative)
-            return 1;
-    }
     for (int64_t lo = 0; lo < n; lo += block) {
         const int64_t len = n - lo < block ? n - lo : block;
         const word_t *v = bits + lo;
@@ -69,9 +82,10 @@ int zs_int8_encode(const float *restrict x, int64_t n, int64_t block, int is_sig
             scale.f = __builtin_nanf("");
         scales[lo / block] = scale.f;
         const float safe = scale.f > 0.0f ? scale.f : 1.0f;
+        const float *values = x + lo;
         uint8_t *out = codes + lo;
         for (int64_t i = 0; i < len; i++) {
-            word_t normal = {.f = v[i].f / safe};
+            word_t normal = {.f = values[i] / safe};
             int32_t key = normal.i;
             if (is_signed)
                 key ^= (key >> 31) & 0x7FFFFFFF;
@@ -79,6 +93,37 @@ int zs_int8_encode(const float *restrict x, int64_t n, int64_t block, int is_sig
             const int32_t above = ((packed >> 8) - (key & LOW_BITS)) >> 31; /* -1: above the bin's midpoint */
             out[i] = (uint8_t)((packed & 0xFF) - above);
         }
+    }
+}
+
+static int any_negative(const float *restrict x, int64_t n) {
+    int negative = 0;
+    for (int64_t i = 0; i < n; i++)
+        negative |= x[i] < 0.0f;
+    return negative;
+}
+
+/* Returns 0, or 1 when the map is unsigned and a value is below zero (nothing is written then). */
+int zs_int8_encode(const float *x, int64_t n, int64_t block, int is_signed, const int32_t *table, float *scales,
+                   uint8_t *codes, int threads) {
+    const int64_t blocks = (n + block - 1) / block;
+    int negative = 0;
+    if (!is_signed) {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : negative) if (threads > 1)
+        for (int p = 0; p < threads; p++) {
+            int64_t lo, hi;
+            part_bounds(blocks, block, n, p, threads, &lo, &hi);
+            negative |= hi > lo && any_negative(x + lo, hi - lo);
+        }
+    }
+    if (negative)
+        return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int p = 0; p < threads; p++) {
+        int64_t lo, hi;
+        part_bounds(blocks, block, n, p, threads, &lo, &hi);
+        if (hi > lo)
+            encode_serial(x + lo, hi - lo, block, is_signed, table, scales + lo / block, codes + lo);
     }
     return 0;
 }
@@ -88,7 +133,7 @@ int zs_int8_encode(const float *restrict x, int64_t n, int64_t block, int is_sig
  * of z = i * golden + offset (the caller's offset holds the tensor's first position and the step's base),
  * without splitmix64's last step, which does not change those bits. Where x or the rounded value is not
  * finite, x rounded to nearest even instead (a NaN's bits may differ from torch's NaN). */
-void zs_bf16_stochastic(const float *restrict x, int64_t n, uint64_t offset, uint16_t *restrict out) {
+static void stochastic_serial(const float *restrict x, int64_t n, uint64_t offset, uint16_t *restrict out) {
     const word_t *bits = (const word_t *)x;
     for (int64_t i = 0; i < n; i++) {
         uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + offset;
@@ -103,5 +148,15 @@ void zs_bf16_stochastic(const float *restrict x, int64_t n, uint64_t offset, uin
         const int finite = (b & 0x7F800000u) != 0x7F800000u && (noisy & 0x7F800000u) != 0x7F800000u;
         const int nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
         out[i] = (uint16_t)(finite ? noisy >> 16 : nan ? 0x7FC0u : nearest);
+    }
+}
+
+void zs_bf16_stochastic(const float *x, int64_t n, uint64_t offset, uint16_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int p = 0; p < threads; p++) {
+        int64_t lo, hi;
+        part_bounds(n, 1, n, p, threads, &lo, &hi);
+        if (hi > lo)
+            stochastic_serial(x + lo, hi - lo, offset + (uint64_t)lo * 0x9E3779B97F4A7C15ull, out + lo);
     }
 }
