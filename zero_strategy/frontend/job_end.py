@@ -19,6 +19,13 @@ ends (``watch_the_job``, called once the process group exists):
   going, and its children have exited (their exit codes checked), or are killed after
   ``GRACE_S`` when the job failed.
 A rank in step waits at its end only for as long as the slowest rank takes to finish.
+
+Rank 0 speaks first. Lightning's watching thread kills rank 0's process (SIGKILL) within 5 s of a
+child exiting non-zero, so on a loaded machine a child that stopped with its message could take
+rank 0's with it before rank 0 had printed why it stopped (seen: "rank 1 ended validation where
+rank 0 entered generate()" missing from rank 0's side). So rank 0 posts ``told`` once it has
+printed what ended the job for it (or found nothing to print), and a child that ends with a failure
+or a problem waits, up to ``GRACE_S``, for that post before its process exits.
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ def _on_uncaught(kind, value, tb) -> None:
     board = rank_board.board()
     print(f"zero_strategy: rank {board.rank} failed: {text} (its traceback follows)", file=sys.stderr, flush=True)
     board.post("end", f"failed: {text}")
+    if board.rank == 0:
+        board.post("told", "yes")
     (_state["previous_hook"] or sys.__excepthook__)(kind, value, tb)
 
 
@@ -85,15 +94,37 @@ def _at_exit() -> None:
         board.post("end", "ok")
     problem = _wait_for_the_others(board, failure is not None)
     board.post("gone", "yes")
-    if board.rank == 0:
-        problem = _end_children(board, problem, failed=failure is not None or problem is not None)
     if problem is not None and failure is None:
-        print(f"zero_strategy: rank {board.rank}: the job failed: {problem.rstrip('.')}. Ending this process with "
-              "exit status 1.",
-              file=sys.stderr, flush=True)
+        _say(board, problem)
+    if board.rank == 0:
+        board.post("told", "yes")
+        later = _end_children(board, problem, failed=failure is not None or problem is not None)
+        if problem is None and later is not None and failure is None:
+            _say(board, later)
+            problem = later
+    elif problem is not None or failure is not None:
+        _wait_for_rank_0_to_tell(board)
+    if problem is not None and failure is None:
         sys.stdout.flush()
         logging.shutdown()
         os._exit(1)
+
+
+def _say(board: rank_board.RankBoard, problem: str) -> None:
+    print(f"zero_strategy: rank {board.rank}: the job failed: {problem.rstrip('.')}. Ending this process with exit "
+          "status 1.", file=sys.stderr, flush=True)
+
+
+def _wait_for_rank_0_to_tell(board: rank_board.RankBoard) -> None:
+    """Up to ``GRACE_S`` for rank 0 to print what ended the job (see "Rank 0 speaks first" in the Note)."""
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            if 0 in board.posted("told"):
+                return
+        except Exception:  # rank 0's store is gone: so is rank 0
+            return
+        time.sleep(POLL_S)
 
 
 def _wait_for_the_others(board: rank_board.RankBoard, failed: bool) -> Optional[str]:
