@@ -113,32 +113,6 @@ def test_stochastic_bf16_rounding_gives_the_torch_bits(start):
         assert _same_bits(a, b)
 
 
-def test_calls_cut_into_parts_on_several_threads_give_the_bits_of_one_call():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(3)  # three parts, the last one short (see [Note: the codec's threads])
-    try:
-        g = torch.Generator().manual_seed(11)
-        n = 3 * cpu_codec.PART_NUMEL + 1000 + 37
-        x = torch.randn(n, generator=g) * torch.logspace(-8, 3, n)
-
-        def run():
-            signed = lowp.Int8State.empty(n, True)
-            signed.encode_(x)
-            unsigned = lowp.Int8State.empty(n, False)
-            unsigned.encode_(x.square())
-            rounded = lowp.round_to_bf16(x, True, seed=1, step=2, key=3, start=12345, slot=1)
-            return (signed.codes.clone(), signed.scales.clone(), signed.decode(), unsigned.codes.clone(),
-                    unsigned.scales.clone(), unsigned.decode(), rounded)
-
-        for a, b in zip(*_both(run)):
-            assert _same_bits(a, b)
-        kernels.set_backend("auto")
-        with pytest.raises(ValueError, match="negative value needs the signed map"):  # found in the last part
-            lowp.Int8State.empty(n, False).encode_(torch.cat([x[:-1].square(), torch.tensor([-1.0])]))
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_calls_on_several_threads_give_the_bits_of_one():
     threads = torch.get_num_threads()
     torch.set_num_threads(3)  # three threads, the last one's share short (see [Note: the codec's threads])
