@@ -1,8 +1,9 @@
 """The order in which ranks say why the job ended (see "Rank 0 speaks first" in
 [Note: a failed rank fails the job], zero_strategy/frontend/job_end.py), on a board kept in memory:
-a child that stops with a problem prints it, then waits for rank 0's ``told`` post before its
-process exits (Lightning kills rank 0 once a child has exited non-zero); rank 0 prints and posts
-``told`` before it waits for its children. The launched jobs that end this way are in test_uneven.py.
+a child that stops with a problem prints it, then, when its launcher (rank 0) posted ``watched``,
+waits for rank 0's ``told`` post before its process exits (Lightning kills rank 0 once a child has
+exited non-zero); rank 0 prints and posts ``told`` before it waits for its children; without a
+watching launcher (torchrun, a pool of workers) nobody waits. The launched jobs that end this way are in test_uneven.py.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ class Exited(Exception):
 def ending(monkeypatch):
     shared, events = {}, []
 
-    def end(rank: int, then=None):
+    def end(rank: int, children=None):
         board = Board(rank, shared, events)
         monkeypatch.setattr(job_end.rank_board, "board", lambda: board)
-        monkeypatch.setattr(job_end, "_state", {**job_end._state, "failure": None, "children": None, "limit_s": None})
+        monkeypatch.setattr(job_end, "_state", {**job_end._state, "failure": None, "children": children,
+                                                "launcher": 0, "limit_s": None})
         monkeypatch.setattr(job_end, "POLL_S", 0.01)
 
         def exit_(code):
@@ -63,6 +65,7 @@ def ending(monkeypatch):
 
 def test_a_child_with_a_problem_exits_only_after_rank_0_has_told(ending, capsys):
     end, shared, events = ending
+    shared[(0, "watched")] = "yes"
 
     def rank_0_tells_later():
         time.sleep(0.3)
@@ -77,11 +80,21 @@ def test_a_child_with_a_problem_exits_only_after_rank_0_has_told(ending, capsys)
 
 
 def test_a_child_waits_for_rank_0_at_most_the_grace_period(ending, monkeypatch):
-    end, _, events = ending
+    end, shared, events = ending
+    shared[(0, "watched")] = "yes"
     monkeypatch.setattr(job_end, "GRACE_S", 0.2)
     started = time.monotonic()
     end(1)
     assert 0.2 <= time.monotonic() - started < 5
+    assert events[-1] == (1, "exit", 1)
+
+
+def test_without_a_watching_launcher_a_child_exits_at_once(ending, monkeypatch):
+    end, _, events = ending
+    monkeypatch.setattr(job_end, "GRACE_S", 30.0)
+    started = time.monotonic()
+    end(1)
+    assert time.monotonic() - started < 5
     assert events[-1] == (1, "exit", 1)
 
 
@@ -94,7 +107,7 @@ def test_rank_0_prints_and_posts_told_before_it_waits_for_its_children(ending, m
         seen_when_ending_children.append((capsys.readouterr().err, dict(shared)))
         return problem
     monkeypatch.setattr(job_end, "_end_children", end_children)
-    end(0)
+    end(0, children=lambda: [])
     printed, posts = seen_when_ending_children[0]
     assert "rank 0: the job failed: rank 1 failed: RuntimeError: rank 1 broke" in printed
     assert posts[(0, "told")] == "yes"

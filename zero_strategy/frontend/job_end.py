@@ -20,12 +20,15 @@ ends (``watch_the_job``, called once the process group exists):
   ``GRACE_S`` when the job failed.
 A rank in step waits at its end only for as long as the slowest rank takes to finish.
 
-Rank 0 speaks first. Lightning's watching thread kills rank 0's process (SIGKILL) within 5 s of a
-child exiting non-zero, so on a loaded machine a child that stopped with its message could take
-rank 0's with it before rank 0 had printed why it stopped (seen: "rank 1 ended validation where
-rank 0 entered generate()" missing from rank 0's side). So rank 0 posts ``told`` once it has
-printed what ended the job for it (or found nothing to print), and a child that ends with a failure
-or a problem waits, up to ``GRACE_S``, for that post before its process exits.
+Rank 0 speaks first. Under Lightning's default launch the process that launched a node's other
+ranks (rank 0 on the first node) runs a thread that kills it (SIGKILL) within 5 s of a child
+exiting non-zero, so on a loaded machine a child that stopped with its message could take the
+launcher's with it before the launcher had printed why it stopped (seen: "rank 1 ended validation
+where rank 0 entered generate()" missing from rank 0's side). So a launcher posts ``watched`` when
+it starts watching, and ``told`` once it has printed what ended the job for it (or found nothing
+to print); a child of a launcher that posted ``watched``, ending with a failure or a problem, waits
+up to ``GRACE_S`` for its ``told`` before its process exits. Under torchrun, srun or a pool of
+workers nobody posts ``watched`` and nobody waits.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ POLL_S = 0.2
 Children = Callable[[], Sequence[subprocess.Popen]]
 """The child processes this process launched (Lightning's popen launch: local ranks 1, 2, ...)."""
 
-_state: dict = {"installed": False, "failure": None, "children": None, "first_child": 1, "limit_s": None,
+_state: dict = {"installed": False, "failure": None, "children": None, "first_child": 1, "launcher": 0, "limit_s": None,
                  "previous_hook": None}
 
 
@@ -62,8 +65,10 @@ def watch_the_job(children: Optional[Children] = None, first_child_rank: int = 1
     board = rank_board.board()
     if not board.enabled:
         return
+    _state["launcher"] = first_child_rank - 1  # this node's launching process (see "Rank 0 speaks first")
     if children is not None and list(children()):  # the front end that launched them (a later one has none)
         _state["children"], _state["first_child"] = children, first_child_rank
+        board.post("watched", "yes")
     _state["limit_s"] = limit_s
     if _state["installed"]:
         return
@@ -79,7 +84,7 @@ def _on_uncaught(kind, value, tb) -> None:
     board = rank_board.board()
     print(f"zero_strategy: rank {board.rank} failed: {text} (its traceback follows)", file=sys.stderr, flush=True)
     board.post("end", f"failed: {text}")
-    if board.rank == 0:
+    if _state["children"] is not None:
         board.post("told", "yes")
     (_state["previous_hook"] or sys.__excepthook__)(kind, value, tb)
 
@@ -96,14 +101,15 @@ def _at_exit() -> None:
     board.post("gone", "yes")
     if problem is not None and failure is None:
         _say(board, problem)
-    if board.rank == 0:
+    if _state["children"] is not None:
         board.post("told", "yes")
+    if board.rank == 0:
         later = _end_children(board, problem, failed=failure is not None or problem is not None)
         if problem is None and later is not None and failure is None:
             _say(board, later)
             problem = later
     elif problem is not None or failure is not None:
-        _wait_for_rank_0_to_tell(board)
+        _wait_for_the_launcher_to_tell(board)
     if problem is not None and failure is None:
         sys.stdout.flush()
         logging.shutdown()
@@ -115,16 +121,18 @@ def _say(board: rank_board.RankBoard, problem: str) -> None:
           "status 1.", file=sys.stderr, flush=True)
 
 
-def _wait_for_rank_0_to_tell(board: rank_board.RankBoard) -> None:
-    """Up to ``GRACE_S`` for rank 0 to print what ended the job (see "Rank 0 speaks first" in the Note)."""
+def _wait_for_the_launcher_to_tell(board: rank_board.RankBoard) -> None:
+    """Up to ``GRACE_S`` for this node's launching process, if it watches its children, to print what
+    ended the job (see "Rank 0 speaks first" in the Note)."""
+    launcher = _state["launcher"]
     deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline:
-        try:
-            if 0 in board.posted("told"):
-                return
-        except Exception:  # rank 0's store is gone: so is rank 0
+    try:
+        if launcher == board.rank or launcher not in board.posted("watched"):
             return
-        time.sleep(POLL_S)
+        while time.monotonic() < deadline and launcher not in board.posted("told"):
+            time.sleep(POLL_S)
+    except Exception:  # the store is gone: so is rank 0
+        return
 
 
 def _wait_for_the_others(board: rank_board.RankBoard, failed: bool) -> Optional[str]:
