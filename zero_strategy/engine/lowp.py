@@ -231,7 +231,8 @@ class Int8State:
         if _compiled_codec(x, self.codes):
             whole = -(-n // self.block)
             scales, codes = self.scales[lo // self.block: lo // self.block + whole], self.codes[lo: lo + n]
-            if not _cpu_codec().encode(x.contiguous(), self.block, self.signed, _code_table(self.signed), scales, codes):
+            table = _code_table(self.signed)
+            if not _cpu_codec().encode(x.contiguous(), self.block, self.signed, table, scales, codes):
                 raise ValueError(_NEGATIVE_UNSIGNED)
             return
         pad = -n % self.block
@@ -261,10 +262,10 @@ def _cpu_codec() -> Any:
     return cpu_codec
 
 
-def _compiled_codec(values: torch.Tensor, codes: torch.Tensor) -> bool:
-    """Whether the compiled C codec takes these fp32 values and their codes (see [Note: the compiled CPU
-    codec])."""
-    return values.dtype == torch.float32 and _cpu_codec().usable(values, codes)
+def _compiled_codec(values: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the compiled C codec takes these fp32 values (and the tensors written beside them: int8
+    codes) (see [Note: the compiled CPU codec])."""
+    return values.dtype == torch.float32 and _cpu_codec().usable(values, *others)
 
 
 @functools.lru_cache(maxsize=None)
@@ -360,7 +361,7 @@ def round_to_bf16(x: torch.Tensor, stochastic: bool, seed: int = 0, step: int = 
     if flat.dtype != torch.float32:
         flat = flat.float()
     flat = flat.contiguous()
-    if _compiled_codec(flat, flat):  # one pass, the same bits: see [Note: the compiled CPU codec]
+    if _compiled_codec(flat):  # one pass, the same bits: see [Note: the compiled CPU codec]
         direct = out is not None and out.dtype == torch.bfloat16 and out.is_contiguous()
         target = out if direct else torch.empty(flat.shape, dtype=torch.bfloat16)
         _cpu_codec().bf16_stochastic(flat, start * 0x9E3779B97F4A7C15 + sr_base(seed, step, key, slot), target)
