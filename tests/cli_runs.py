@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import glob
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 # variables a launcher sets: inherited, they would make zero-train believe it is a launched rank
 LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -101,3 +102,107 @@ def summaries(run_dir: Path, world_size: int = 2) -> list[dict]:
 def metric_rows(run_dir: Path) -> list[dict[str, str]]:
     with open(run_dir / "csv" / "version_0" / "metrics.csv") as f:
         return list(csv.DictReader(f))
+
+
+# ---- launches started at collection ------------------------------------------------------------
+#
+# [Note: launches started early]
+# The main job's and the examples' launches (test_main_job.py) need about 110 CPU-seconds, most of it
+# importing Lightning, and run after half of the suite, much of which leaves a core idle (a rank
+# waiting for its peer, a test that runs in one process). So once collection has selected their tests,
+# conftest.py starts them (``start_early``) at the lowest CPU priority (SCHED_IDLE: they run only
+# where no test wants the core), with their output in files (nothing reads a pipe meanwhile). The
+# module's fixture takes them over (``take``): back to normal priority, then waited for, from that
+# moment, with the timeout it always had. Not selected, nothing starts; where the OS refuses the
+# priority change, they run at normal priority. The command lines, environments and folders are
+# those the fixture built before; only the start moved. Launches that a test times (test_failures.py)
+# or that depend on an earlier test's output are not started early.
+
+EARLY: dict[str, tuple[str, Callable[[Path], Commands]]] = {}
+"""name -> (the test module's name, a function of a fresh folder that gives the launch's commands)."""
+_early: dict[str, tuple[dict[str, subprocess.Popen], Path]] = {}
+
+
+def _descendant_threads(pid: int) -> list[int]:
+    """The threads of ``pid`` and of every process below it (Linux /proc; none seen elsewhere)."""
+    tids, pids = [], [pid]
+    while pids:
+        p = pids.pop()
+        for task in glob.glob(f"/proc/{p}/task/*"):
+            tids.append(int(os.path.basename(task)))
+            try:
+                with open(f"{task}/children") as f:
+                    pids.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+    return tids
+
+
+def _set_priority(procs: dict[str, subprocess.Popen], idle: bool) -> None:
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    for proc in procs.values():
+        for tid in _descendant_threads(proc.pid) if not idle else [proc.pid]:
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+            except OSError:  # ended meanwhile, or not allowed: it runs as it is
+                pass
+
+
+def _popen_logged(commands: Commands, logs: Path) -> dict[str, subprocess.Popen]:
+    from .distributed import free_port
+
+    procs = {}
+    for name, (cmd, env, cwd) in commands.items():
+        with open(logs / f"{name}.stdout", "w") as out, open(logs / f"{name}.stderr", "w") as err:
+            procs[name] = subprocess.Popen(cmd, cwd=cwd, env={**env, "MASTER_PORT": str(free_port())}, text=True,
+                                           stdout=out, stderr=err)
+    return procs
+
+
+def start_early(module_names: set[str], folder_for: Callable[[str], Path]) -> None:
+    """Start the registered launches of these modules now, at idle priority (see the Note);
+    ZERO_TEST_EARLY=0 turns it off (each starts in its fixture, as before)."""
+    if os.environ.get("ZERO_TEST_EARLY", "1") == "0":
+        return
+    for name, (module, build) in EARLY.items():
+        if module in module_names and name not in _early and hasattr(os, "sched_setscheduler"):
+            logs = folder_for(f"{name}-logs")
+            procs = _popen_logged(build(folder_for(name)), logs)
+            _set_priority(procs, idle=True)
+            _early[name] = (procs, logs)
+
+
+def take(name: str, folder_for: Callable[[str], Path], timeout: float
+         ) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
+    """The early launch ``name`` (started now if it was not): back at normal priority, waited for
+    until ``timeout`` seconds from now; name -> (the finished process, seconds from now until seen
+    finished), as ``finish`` gives."""
+    start = time.monotonic()
+    if name in _early:
+        procs, logs = _early.pop(name)
+        _set_priority(procs, idle=False)
+    else:
+        logs = folder_for(f"{name}-logs")
+        procs = _popen_logged(EARLY[name][1](folder_for(name)), logs)
+    try:
+        done = {}
+        for key, proc in procs.items():
+            proc.wait(timeout=max(1.0, start + timeout - time.monotonic()))
+            done[key] = (subprocess.CompletedProcess(proc.args, proc.returncode, (logs / f"{key}.stdout").read_text(),
+                                                     (logs / f"{key}.stderr").read_text()), time.monotonic() - start)
+        return done
+    finally:
+        _kill(procs)
+
+
+def _kill(procs: dict[str, subprocess.Popen]) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def end_early() -> None:
+    """Kill the early launches no test took (the session ended first)."""
+    while _early:
+        _kill(_early.popitem()[1][0])

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from . import distributed
+from . import cli_runs, distributed
 
 # what a test needs after its last run_distributed call returns: assertions, killing a hung pool
 DEADLINE_MARGIN_S = 15.0
@@ -63,3 +63,17 @@ def tmp_root(tmp_path_factory) -> str:
     """A folder for the Lightning launches tests share (test_lightning.py's cached runs: see [Note: one
     launch per strategy] there), so DDP's references are launched once per session."""
     return str(tmp_path_factory.mktemp("lightning"))
+
+
+def pytest_collection_finish(session):
+    """Start the launches of the selected modules that may start early ([Note: launches started
+    early] in cli_runs.py)."""
+    if session.config.option.collectonly or not session.items:
+        return
+    factory = session.config._tmp_path_factory  # the one behind the tmp_path_factory fixture
+    modules = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
+    cli_runs.start_early(modules, lambda name: factory.mktemp(name, numbered=False))
+
+
+def pytest_sessionfinish(session):
+    cli_runs.end_early()

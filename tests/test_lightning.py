@@ -18,12 +18,12 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from .cli_runs import EARLY, Commands, take
 from .distributed import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
@@ -87,16 +87,45 @@ ZERO_CASES = {  # what each strategy's tests read
 }
 
 
+def _zero_cases() -> dict[str, tuple[str, ...]]:
+    return {f"{strategy}__{name}": (*CASES[name], "--strategy", strategy)
+            for strategy, names in ZERO_CASES.items() for name in names}
+
+
+def _commands(base: Path) -> Commands:
+    """DDP's references and every ZeRO case: two launches, each writing under ``base``."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    for folder in ("ddp", "zero"):
+        (base / folder).mkdir()
+    return {strategy: ([sys.executable, str(SCRIPT), "--strategy", strategy, "--cases",
+                        json.dumps({name: list(args) for name, args in cases.items()}), "--out", str(base / folder)],
+                       env, None)
+            for folder, strategy, cases in (("ddp", "ddp", DDP_CASES), ("zero", "zero_stage_2", _zero_cases()))}
+
+
+LAUNCHES = "lightning_launches"
+EARLY[LAUNCHES] = (__name__, _commands)  # started at collection: see [Note: launches started early] in cli_runs.py
+
+
 @functools.lru_cache(maxsize=None)
 def _launches(tmp_root: str) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
     """DDP's references and every ZeRO case, the two launches at once (see [Note: one launch per
-    strategy]): while one imports Lightning, the other trains."""
-    zero_cases = {f"{strategy}__{name}": (*CASES[name], "--strategy", strategy)
-                  for strategy, names in ZERO_CASES.items() for name in names}
-    with ThreadPoolExecutor(2) as pool:
-        ddp = pool.submit(launch_cases, Path(tmp_root) / "ddp", "ddp", DDP_CASES)
-        zero = pool.submit(launch_cases, Path(tmp_root) / "zero", "zero_stage_2", zero_cases)
-        return ddp.result(), zero.result()
+    strategy]): while one imports Lightning, the other trains. Started at collection where this
+    module's tests were selected (in ``tmp_root`` where not)."""
+    def folder(name: str) -> Path:
+        (Path(tmp_root) / name).mkdir()
+        return Path(tmp_root) / name
+
+    done = take(LAUNCHES, folder, timeout=120 + 60 * (len(DDP_CASES) + len(_zero_cases())))
+    runs = []
+    for strategy, cases in (("ddp", DDP_CASES), ("zero_stage_2", _zero_cases())):
+        proc, _ = done[strategy]
+        assert proc.returncode == 0, f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        out = Path(proc.args[proc.args.index("--out") + 1])
+        runs.append({name: results(out / name) for name in cases})
+    return runs[0], runs[1]
 
 
 def ddp_runs(tmp_root: str) -> dict[str, list[dict]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .cli_runs import assert_succeeded, clean_env, run_at_once, script, summaries
+from .cli_runs import EARLY, Commands, assert_succeeded, clean_env, script, summaries, take
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,14 +40,14 @@ EXAMPLES = {
 }
 MAIN_JOB = "main_job"  # the README's
 MAIN_JOB_DDP = "main_job_ddp"  # the same 20 steps under Lightning's DDP: what the ZeRO-2 run must equal
+LAUNCH = "main_job_and_examples"  # the folder of their folders
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """The README's main job and every example, run at once, each in its own folder: a run spends
-    much of its time importing Lightning and starting its second rank, on one core, which the others'
-    training fills. name -> (the finished process, its folder)."""
-    folders = {name: tmp_path_factory.mktemp(name) for name in [MAIN_JOB, MAIN_JOB_DDP, *EXAMPLES]}
+def _commands(base: Path) -> Commands:
+    """The README's main job, its DDP copy and every example, each in a folder of its own under ``base``."""
+    folders = {name: base / name for name in [MAIN_JOB, MAIN_JOB_DDP, *EXAMPLES]}
+    for folder in folders.values():
+        folder.mkdir()
     main_job = shlex.split([s.strip() for s in setup_commands()[0].split("&&")][-1])
     # the README's exact arguments; only the length is capped (the full run takes about 1.5 minutes)
     commands = {name: ([script(main_job[0]), *main_job[1:], *extra, "trainer.max_steps=20",
@@ -55,7 +55,20 @@ def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]
                 for name, extra in ((MAIN_JOB, []), (MAIN_JOB_DDP, ["strategy=ddp"]))}
     commands.update({example: ([sys.executable, str(ROOT / "examples" / example / "train.py"), *args], clean_env(),
                                folders[example]) for example, (args, _, _) in EXAMPLES.items()})
-    return {name: (proc, folders[name]) for name, (proc, _) in run_at_once(commands, timeout=400).items()}
+    return commands
+
+
+EARLY[LAUNCH] = (__name__, _commands)  # started at collection: see [Note: launches started early]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The README's main job and every example, run at once, each in its own folder: a run spends
+    much of its time importing Lightning and starting its second rank, on one core, which the others'
+    training fills; started at collection (see [Note: launches started early] in cli_runs.py).
+    name -> (the finished process, its folder)."""
+    done = take(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False), timeout=400)
+    return {name: (proc, tmp_path_factory.getbasetemp() / LAUNCH / name) for name, (proc, _) in done.items()}
 
 
 @pytest.mark.timeout(420)

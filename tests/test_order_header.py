@@ -5,6 +5,7 @@ mixed weights (2 gloo processes, engine only)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -121,16 +122,29 @@ def _state(sharder, opt) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def diverged():
+    """world size -> each rank's (unit cases, step cases): both tests' cases (``CASES`` and
+    ``STEP_CASES``), each case on a group of its own, in fresh processes, three sets at once: at 2
+    ranks the unit cases and the step cases, at 4 ranks both (most of a case is the 1 s a rank
+    waits for the other's order report, or starting processes: 37 s as four sets one after
+    another)."""
     # fresh processes: the diverged groups keep unmatched collectives, which stall a pool's closing
-    return {2: run_distributed(_diverging_runs, 2, list(CASES), fresh=True, timeout_s=100),
-            4: run_distributed(_diverging_runs, 4, FOUR_RANKS, fresh=True, timeout_s=100)}
+    sets = {(2, "unit"): ([*CASES], []), (2, "step"): ([], STEP_CASES[2]), (4, "both"): ([*FOUR_RANKS], STEP_CASES[4])}
+    with ThreadPoolExecutor(len(sets)) as pool:
+        calls = {key: pool.submit(run_distributed, _all_runs, key[0], *cases, fresh=True, timeout_s=150)
+                 for key, cases in sets.items()}
+        ranks = {key: call.result() for key, call in calls.items()}
+    return {2: [(unit, step) for (unit, _), (_, step) in zip(ranks[2, "unit"], ranks[2, "step"])], 4: ranks[4, "both"]}
+
+
+def _all_runs(rank, world_size, unit_cases, step_cases):
+    return _diverging_runs(rank, world_size, unit_cases), _step_divergence_runs(rank, world_size, step_cases)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("world", "case"), [(2, c) for c in CASES] + [(4, c) for c in FOUR_RANKS])
 def test_a_rank_running_other_units_at_any_pass_stops_every_rank_before_the_step(diverged, world, case):
     how, at_pass, _, _ = CASES[case]
-    for rank, results in enumerate(diverged[world]):
+    for rank, (results, _) in enumerate(diverged[world]):
         error, elapsed, unchanged = results[case]
         assert error is not None, f"rank {rank}: no UnitOrderError"
         assert "the ranks gathered different units at the same point" in error, error
@@ -188,9 +202,10 @@ STEP_CASES = {
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_running_an_extra_micro_batch_or_skipping_a_step_stops_every_rank():
+def test_a_rank_running_an_extra_micro_batch_or_skipping_a_step_stops_every_rank(diverged):
     for world, cases in STEP_CASES.items():
-        results = run_distributed(_step_divergence_runs, world, cases, fresh=True, timeout_s=100)
+        results = [by_case for _, by_case in diverged[world]]
+        assert all(list(by_case) == cases for by_case in results)
         for rank, by_case in enumerate(results):
             for (stage, how, at_pass), (error, elapsed, unchanged) in by_case.items():
                 case = f"{world} ranks, stage {stage}, {how} at pass {at_pass}, rank {rank}"
