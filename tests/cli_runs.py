@@ -120,7 +120,7 @@ def metric_rows(run_dir: Path) -> list[dict[str, str]]:
 
 EARLY: dict[str, tuple[str, Callable[[Path], Commands]]] = {}
 """name -> (the test module's name, a function of a fresh folder that gives the launch's commands)."""
-_early: dict[str, tuple[dict[str, subprocess.Popen], Path]] = {}
+_early: dict[str, tuple[dict[str, subprocess.Popen], Path, Path]] = {}  # name -> (processes, logs, their folder)
 
 
 def _descendant_threads(pid: int) -> list[int]:
@@ -166,31 +166,31 @@ def start_early(module_names: set[str], folder_for: Callable[[str], Path]) -> No
         return
     for name, (module, build) in EARLY.items():
         if module in module_names and name not in _early and hasattr(os, "sched_setscheduler"):
-            logs = folder_for(f"{name}-logs")
-            procs = _popen_logged(build(folder_for(name)), logs)
+            logs, base = folder_for(f"{name}-logs"), folder_for(name)
+            procs = _popen_logged(build(base), logs)
             _set_priority(procs, idle=True)
-            _early[name] = (procs, logs)
+            _early[name] = (procs, logs, base)
 
 
 def take(name: str, folder_for: Callable[[str], Path], timeout: float
-         ) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
+         ) -> tuple[dict[str, tuple[subprocess.CompletedProcess, float]], Path]:
     """The early launch ``name`` (started now if it was not): back at normal priority, waited for
-    until ``timeout`` seconds from now; name -> (the finished process, seconds from now until seen
-    finished), as ``finish`` gives."""
+    until ``timeout`` seconds from now. Returns (name -> (the finished process, seconds from now until
+    seen finished), as ``finish`` gives; the folder its commands were built for)."""
     start = time.monotonic()
     if name in _early:
-        procs, logs = _early.pop(name)
+        procs, logs, base = _early.pop(name)
         _set_priority(procs, idle=False)
     else:
-        logs = folder_for(f"{name}-logs")
-        procs = _popen_logged(EARLY[name][1](folder_for(name)), logs)
+        logs, base = folder_for(f"{name}-logs"), folder_for(name)
+        procs = _popen_logged(EARLY[name][1](base), logs)
     try:
         done = {}
         for key, proc in procs.items():
             proc.wait(timeout=max(1.0, start + timeout - time.monotonic()))
             done[key] = (subprocess.CompletedProcess(proc.args, proc.returncode, (logs / f"{key}.stdout").read_text(),
                                                      (logs / f"{key}.stderr").read_text()), time.monotonic() - start)
-        return done
+        return done, base
     finally:
         _kill(procs)
 

@@ -29,16 +29,25 @@ from .distributed import free_port
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
 
 
-def run_script(out: Path, strategy: str, *extra: str, script: Path = SCRIPT, timeout: int = 240) -> None:
-    """Run the script as a user would (Lightning's popen launcher starts rank 1 itself); it must succeed."""
-    out.mkdir(parents=True, exist_ok=True)
+def script_command(out: Path, strategy: str, *extra: str, script: Path = SCRIPT) -> tuple[list[str], dict[str, str]]:
+    """The script's command line and environment, as a user would run it (no launcher's variables:
+    Lightning's popen launcher starts rank 1 itself)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    env["MASTER_PORT"] = str(free_port())  # a port of its own: launches may run at the same time
-    proc = subprocess.run([sys.executable, str(script), "--strategy", strategy, "--out", str(out), *extra],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return [sys.executable, str(script), "--strategy", strategy, "--out", str(out), *extra], env
+
+
+def assert_ran(proc, strategy: str) -> None:
     assert proc.returncode == 0, f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def run_script(out: Path, strategy: str, *extra: str, script: Path = SCRIPT, timeout: int = 240) -> None:
+    """Run the script as a user would; it must succeed."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd, env = script_command(out, strategy, *extra, script=script)
+    env["MASTER_PORT"] = str(free_port())  # a port of its own: launches may run at the same time
+    assert_ran(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout), strategy)
 
 
 def results(folder: Path) -> list[dict]:
@@ -55,9 +64,17 @@ def launch(out: Path, strategy: str, *extra: str, script: Path = SCRIPT) -> list
 def launch_cases(out: Path, strategy: str, cases: dict[str, tuple[str, ...]], script: Path = SCRIPT
                  ) -> dict[str, list[dict]]:
     """Every case in one launch (see [Note: one launch per strategy]): case name -> each rank's results."""
-    run_script(out, strategy, "--cases", json.dumps({name: list(args) for name, args in cases.items()}),
-               script=script, timeout=120 + 60 * len(cases))
+    run_script(out, strategy, *cases_args(cases), script=script, timeout=cases_timeout(len(cases)))
     return {name: results(out / name) for name in cases}
+
+
+def cases_args(cases: dict[str, tuple[str, ...]]) -> tuple[str, str]:
+    return "--cases", json.dumps({name: list(args) for name, args in cases.items()})
+
+
+def cases_timeout(count: int) -> int:
+    """Seconds a launch of ``count`` cases may take."""
+    return 120 + 60 * count
 
 
 CASES: dict[str, tuple[str, ...]] = {
@@ -92,17 +109,18 @@ def _zero_cases() -> dict[str, tuple[str, ...]]:
             for strategy, names in ZERO_CASES.items() for name in names}
 
 
+def _strategies() -> dict[str, dict[str, tuple[str, ...]]]:
+    """The two launches: the strategy each starts with -> its cases."""
+    return {"ddp": DDP_CASES, "zero_stage_2": _zero_cases()}
+
+
 def _commands(base: Path) -> Commands:
-    """DDP's references and every ZeRO case: two launches, each writing under ``base``."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    for folder in ("ddp", "zero"):
-        (base / folder).mkdir()
-    return {strategy: ([sys.executable, str(SCRIPT), "--strategy", strategy, "--cases",
-                        json.dumps({name: list(args) for name, args in cases.items()}), "--out", str(base / folder)],
-                       env, None)
-            for folder, strategy, cases in (("ddp", "ddp", DDP_CASES), ("zero", "zero_stage_2", _zero_cases()))}
+    """DDP's references and every ZeRO case: two launches, each writing in ``base / strategy``."""
+    commands = {}
+    for strategy, cases in _strategies().items():
+        (base / strategy).mkdir()
+        commands[strategy] = (*script_command(base / strategy, strategy, *cases_args(cases)), None)
+    return commands
 
 
 LAUNCHES = "lightning_launches"
@@ -118,13 +136,11 @@ def _launches(tmp_root: str) -> tuple[dict[str, list[dict]], dict[str, list[dict
         (Path(tmp_root) / name).mkdir()
         return Path(tmp_root) / name
 
-    done = take(LAUNCHES, folder, timeout=120 + 60 * (len(DDP_CASES) + len(_zero_cases())))
+    done, base = take(LAUNCHES, folder, timeout=cases_timeout(sum(map(len, _strategies().values()))))
     runs = []
-    for strategy, cases in (("ddp", DDP_CASES), ("zero_stage_2", _zero_cases())):
-        proc, _ = done[strategy]
-        assert proc.returncode == 0, f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        out = Path(proc.args[proc.args.index("--out") + 1])
-        runs.append({name: results(out / name) for name in cases})
+    for strategy, cases in _strategies().items():
+        assert_ran(done[strategy][0], strategy)
+        runs.append({name: results(base / strategy / name) for name in cases})
     return runs[0], runs[1]
 
 

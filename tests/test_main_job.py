@@ -40,7 +40,7 @@ EXAMPLES = {
 }
 MAIN_JOB = "main_job"  # the README's
 MAIN_JOB_DDP = "main_job_ddp"  # the same 20 steps under Lightning's DDP: what the ZeRO-2 run must equal
-LAUNCH = "main_job_and_examples"  # the folder of their folders
+LAUNCH = "main_job_and_examples"  # the early launch's name (see [Note: launches started early])
 
 
 def _commands(base: Path) -> Commands:
@@ -67,8 +67,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]
     much of its time importing Lightning and starting its second rank, on one core, which the others'
     training fills; started at collection (see [Note: launches started early] in cli_runs.py).
     name -> (the finished process, its folder)."""
-    done = take(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False), timeout=400)
-    return {name: (proc, tmp_path_factory.getbasetemp() / LAUNCH / name) for name, (proc, _) in done.items()}
+    done, base = take(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False), timeout=400)
+    return {name: (proc, base / name) for name, (proc, _) in done.items()}
 
 
 @pytest.mark.timeout(420)
