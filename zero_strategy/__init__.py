@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
     from .engine import ZeroOptimizer
     from .engine.join import Join
     from .engine.parameters import gathered_parameters
+    from .engine.watchdog import CollectiveError, UnitOrderError
     from .generation import any_rank_busy
     from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
     from .memory import count_parameters, estimate_memory, memory_stats
@@ -55,6 +56,7 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
     "any_rank_busy": "generation", "Join": "engine.join",  # ranks whose work differs: see the README
+    "UnitOrderError": "engine.watchdog", "CollectiveError": "engine.watchdog",  # ranks out of step, hung collectives
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
                "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "pretrained",

@@ -77,7 +77,7 @@ from . import rank_board
 from .collective_header import HEADER_BYTES, Header
 from .comm_volume import CommCounter, NodeLayout, sent_bytes
 from .quantize import QuantSpec, dequantize_sum, quantize_rows
-from .watchdog import UnitOrderError, Watchdog
+from .watchdog import Watchdog, out_of_step
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -153,9 +153,10 @@ class Collectives:
         self.rank = dist.get_rank(group) if initialized else 0
         self.backend = str(dist.get_backend(group)) if initialized else "none"
         self.collective_timeout = collective_timeout
-        self.watchdog = Watchdog(collective_timeout, dist.get_rank() if initialized else 0, self.backend)
         Collectives.made += 1  # see [Note: collectives that differ]
         self.key = f"collective/{Collectives.made}/{self.global_rank(0) if initialized else 0}+{self.world_size}"
+        self.scope = _parent.scope if _parent is not None else self.key  # one engine's groups: see out_of_step
+        self.watchdog = Watchdog(collective_timeout, dist.get_rank() if initialized else 0, self.backend, self.scope)
         self.issued = 0  # collectives issued through this object
         self.mismatch_wait_s = _parent.mismatch_wait_s if _parent is not None else 5.0  # a subgroup's: its parent's
         if _parent is None:
@@ -202,14 +203,14 @@ class Collectives:
                 differ[rank] = their_what
         if differ:
             lines = [f"  rank {board.rank}: {doing}"] + [f"  rank {r}: {w}" for r, w in sorted(differ.items())]
-            raise UnitOrderError(
+            raise out_of_step(
                 f"the ranks issued different collectives at the same point (collective {seq} of this group):\n"
                 + "\n".join(lines) + "\n"
                 "Every rank must run the same steps, micro-batches and units in the same order: a rank that ran "
                 "an extra micro-batch (uneven data: use zero_strategy.Join, or the same number of batches on every "
                 "rank), skipped a step, or skipped a module waits for collectives the others never issue; and at stage "
                 "3 gathered_parameters and state dicts are collectives too, to enter on every rank (not under `if "
-                "rank == 0:`).")
+                "rank == 0:`).", self.scope)
 
     def _count(self, kind: str, algorithm: str, nbytes: int) -> None:
         self.counter.add(kind, sent_bytes(algorithm, nbytes, self.world_size), self.inter_node)

@@ -171,7 +171,7 @@ class GradientReducer:
         mask = torch.cat([torch.tensor(flags, dtype=torch.uint8), tally]).to(self.groups[0].device)
         self.world.all_reduce(mask, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters got gradients")
         key = f"tally/{self.world.key}/{self.world.issued}"  # this all-reduce, named alike on every rank
-        step_tally.check(tally, mask[len(flags):], steps, self.backwards, key)
+        step_tally.check(tally, mask[len(flags):], steps, self.backwards, key, self.world.scope)
         values, out = mask[: len(flags)].tolist(), []
         for per_group in self.received:
             out.append([bool(v) for v in values[: len(per_group)]])

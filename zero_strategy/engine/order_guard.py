@@ -35,7 +35,7 @@ import torch
 from . import rank_board
 from .collective_header import Header, decode, encode
 from .collectives import Collectives
-from .watchdog import UnitOrderError
+from .watchdog import out_of_step
 
 PHASES = ("forward", "backward", "prefetch for forward", "prefetch for backward", "recomputation in backward",
           "gathered_parameters or a state dict")
@@ -131,16 +131,16 @@ class OrderGuard:
         board = rank_board.board()
         cause = board.divergence()
         if cause is not None:
-            raise UnitOrderError(f"ZeRO stage 3: the ranks are not in step: {cause}\nThe gathers that differed:\n"
-                                 + "\n".join(lines) + "\n" + board.describe())
-        raise UnitOrderError(
+            raise out_of_step(f"ZeRO stage 3: the ranks are not in step: {cause}\nThe gathers that differed:\n"
+                              + "\n".join(lines) + "\n" + board.describe(), self.comm.scope)
+        raise out_of_step(
             f"ZeRO stage 3: the ranks gathered different units at the same point (this rank's pass {self.passes}):\n"
             + "\n".join(lines) + "\n"
             "Every rank must run the same stage-3 units in the same order, whatever its data: a module skipped on one "
             "rank (a data-dependent branch), or called more often on one rank, leaves the others waiting for its "
             "parameters. Run every unit on every rank (compute the branch everywhere and multiply its result by 0 "
             "where it is not wanted), or keep such a module out of the units: with shard_modules naming other "
-            "classes, its parameters stay in the root unit, gathered for the whole step.")
+            "classes, its parameters stay in the root unit, gathered for the whole step.", self.comm.scope)
 
     def _name(self, unit: int) -> str:
         return repr(self.names[unit]) if 0 <= unit < len(self.names) else "none"

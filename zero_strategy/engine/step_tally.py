@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from . import rank_board
-from .watchdog import UnitOrderError
+from .watchdog import out_of_step
 
 WORDS = 2  # steps begun, backward passes
 TALLY_BYTES = 2 * 8 * WORDS
@@ -57,8 +57,9 @@ def _describe(text: str) -> str:
     return f"step {int(steps)}, after {int(backwards)} backward passes since the engine was made"
 
 
-def raise_disagreement(steps: int, backwards: int, key: str) -> None:
-    """This rank's tally differs from another's: post it, read the others' and raise UnitOrderError."""
+def raise_disagreement(steps: int, backwards: int, key: str, scope: Optional[str] = None) -> None:
+    """This rank's tally differs from another's: post it, read the others' and raise UnitOrderError
+    (``scope``: the engine's, see ``watchdog.out_of_step``)."""
     mine = f"{steps},{backwards}"
     board = rank_board.board()
     posted: dict[int, str] = {}
@@ -75,15 +76,17 @@ def raise_disagreement(steps: int, backwards: int, key: str) -> None:
             time.sleep(0.05)
     lines = [f"  rank {r}: {_describe(t)}" for r, t in sorted({board.rank: mine, **posted}.items())]
     missing = "" if len(posted) >= board.world_size - 1 else "\n  (the other ranks did not say theirs in time)"
-    raise UnitOrderError(
+    raise out_of_step(
         "the ranks reached this optimizer step after different work:\n" + "\n".join(lines) + missing + "\n"
         "Every rank must run the same number of micro-batches (backward passes) before each step and take every "
         "step: a rank with one more batch (uneven data: use zero_strategy.Join, or drop the last batches, as a "
         "DistributedSampler with drop_last does), a backward skipped or repeated on one rank, or a step skipped on "
-        "one rank averages gradients of different passes. Nothing was updated.")
+        "one rank averages gradients of different passes. Nothing was updated.", scope)
 
 
-def check(sent: torch.Tensor, reduced: torch.Tensor, steps: int, backwards: int, key: Optional[str]) -> None:
-    """Raise UnitOrderError on this rank if the ranks' tallies differ (``key``: where to post them)."""
+def check(sent: torch.Tensor, reduced: torch.Tensor, steps: int, backwards: int, key: Optional[str],
+          scope: Optional[str] = None) -> None:
+    """Raise UnitOrderError on this rank if the ranks' tallies differ (``key``: where to post them;
+    ``scope``: see ``raise_disagreement``)."""
     if not agreed(sent, reduced):
-        raise_disagreement(steps, backwards, key or "tally")
+        raise_disagreement(steps, backwards, key or "tally", scope)

@@ -20,7 +20,11 @@ While it waits, a rank reads where the others are (see [Note: the rank board] in
 when another rank has gone a different way (entered ``generate()`` where this one ended
 validation) or has left the part of the program the collective belongs to (ended validation, or
 its process, while this one still gathers), the wait ends at once with a ``CollectiveError``
-saying so and what to do, instead of at the limit or with gloo's "Connection closed by peer".
+saying so and what to do, instead of at the limit or with gloo's "Connection closed by peer". And
+when another rank of the same engine found the ranks out of step (``out_of_step``: its order guard,
+the step's tally, or collectives of different kinds) the wait ends with that ``UnitOrderError``:
+under hybrid sharding the ranks of another shard group wait in a collective across the groups,
+which the ones that found it will never join, and would otherwise wait for ``collective_timeout``.
 
 NCCL collectives are not waited for on the host (``wait()`` only orders CUDA streams), so they are
 left to NCCL's own watchdog, which aborts at the process group's timeout.
@@ -58,6 +62,18 @@ class UnitOrderError(RuntimeError):
     a step after different work (see [Note: the step's tally] in step_tally.py)."""
 
 
+OUT_OF_STEP = "out_of_step"
+"""The rank board's post of a rank that found the ranks out of step: "<scope>|<message>"."""
+
+
+def out_of_step(message: str, scope: Optional[str]) -> UnitOrderError:
+    """``UnitOrderError(message)``, posted first on the rank board for the ranks of ``scope`` (an
+    engine's group: ``Collectives.scope``) that wait in other collectives (see [Note: hang watchdog])."""
+    if scope is not None:
+        rank_board.board().post(OUT_OF_STEP, f"{scope}|{message}")
+    return UnitOrderError(message)
+
+
 _waiting = threading.local()  # .what: the collective the main thread waits for now (None: none)
 _deferred_signal: list[tuple[int, Any]] = []  # SIGTERM received during a wait, for the previous handler
 _previous_handler: Any = None
@@ -66,9 +82,10 @@ _previous_handler: Any = None
 class Watchdog:
     """Waits for one process group's collectives with a time limit (see [Note: hang watchdog])."""
 
-    def __init__(self, limit_s: Optional[float], rank: int, backend: str) -> None:
+    def __init__(self, limit_s: Optional[float], rank: int, backend: str, scope: Optional[str] = None) -> None:
         self.limit_s = limit_s
         self.rank = rank
+        self.scope = scope  # whose ``out_of_step`` posts end a wait (None: nobody's)
         self.watched = limit_s is not None and backend == "gloo"
 
     def wait(self, work: dist.Work, what: Callable[[], str],
@@ -92,6 +109,7 @@ class Watchdog:
                 waited = time.monotonic() - start
                 if waiting is not None:
                     waiting(waited)
+                self._raise_if_out_of_step(what)
                 if _deferred_signal:
                     self._end(what, waited, "received SIGTERM while waiting", SIGTERM_EXIT_CODE)
                 cause = rank_board.board().divergence(what(), waited)
@@ -104,6 +122,21 @@ class Watchdog:
             _waiting.what = None
         if _deferred_signal:
             _run_deferred_signal()
+
+    def _raise_if_out_of_step(self, what: Callable[[], str]) -> None:
+        """Raise the UnitOrderError another rank of this scope posted (``out_of_step``), if one did."""
+        board = rank_board.board()
+        if self.scope is None or not board.enabled:
+            return
+        try:
+            posted = board.posted(OUT_OF_STEP)
+        except Exception:  # the store is gone or slow: the watchdog goes on
+            return
+        for rank, text in sorted(posted.items()):
+            scope, _, message = text.partition("|")
+            if scope == self.scope:
+                raise UnitOrderError(f"rank {self.rank} waited for the {what()}, which will not complete: rank {rank} "
+                                     f"found the ranks out of step:\n{message}")
 
     def _failed(self, what: Callable[[], str], err: Exception, waited: float) -> str:
         """The message of a collective that failed: gloo's error, and why, when the board knows."""
