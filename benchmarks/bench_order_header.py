@@ -10,8 +10,10 @@ alternating from round to round, on the same model (``sharder.guard.enabled`` is
 this benchmark only: ``check_unit_order=False`` is the user's). It prints, per rank, the ratio of
 the median step times (on / off) of each round, their median and their spread (min and max), and
 the bytes a step sends with and without the headers (``comm_stats()``), which must differ by
-16 (n - 1) bytes per all-gather (see [Note: the collective header] in
-zero_strategy/engine/collective_header.py).
+16 (n - 1) bytes per all-gather that carries a header (see [Note: the collective header] in
+zero_strategy/engine/collective_header.py): every one below 1 MiB; the blocks' gathers of 1 MiB or
+more go as broadcasts and leave theirs out, compared by a digest in the step's all-reduce (see [Note:
+headers left out of broadcasts] in zero_strategy/engine/order_guard.py).
 
 Timing needs a quiet machine: on a loaded host the spread across rounds says how far to trust it.
 """
@@ -87,9 +89,15 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) ->
 
 
 def _gathers_per_step(args: argparse.Namespace) -> int:
-    """All-gathers a step issues: every block forward and backward, the root (the head) in forward
-    (one segment each at these sizes)."""
-    return 2 * args.layers + 1
+    """All-gathers a step issues with a header: the root (the head) in forward, and every block's in
+    forward and backward unless they go as broadcasts (one segment each at these sizes)."""
+    from zero_strategy.engine.collectives import BROADCAST_GATHER_BYTES
+
+    w = args.width
+    block_bytes = 4 * (2 * w + 4 * w * w + 4 * w + 4 * w * w + w)  # LayerNorm, fc, proj (fp32)
+    if args.quantized:
+        block_bytes = block_bytes * 65 // 256  # an int8 code per element and an fp32 scale per 256 (no padding)
+    return 1 + (0 if block_bytes >= BROADCAST_GATHER_BYTES else 2 * args.layers)
 
 
 def main(argv=None) -> None:

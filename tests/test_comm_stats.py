@@ -77,7 +77,10 @@ CASES = {
     "stage3-noguard-qwZ-bf16": (3, {"check_unit_order": False, "quantized_weights": True,
                                     "quantization_block_size": 256}, torch.bfloat16, False),
     "stage3-noguard-hpZ": (3, {"check_unit_order": False, "secondary_partition_size": 2}, torch.float32, False),
+    # blocks of 1 MiB in one segment, one thread per rank: their all-gathers go as broadcasts, without headers
+    "stage3-broadcasts": (3, {"bucket_cap_mb": 25}, torch.float32, False),
 }
+BROADCASTS = {"stage3-broadcasts": 256}  # case -> the model's width (see [Note: headers left out of broadcasts])
 
 
 def _train(rank: int, world_size: int, names: list[str]) -> dict:
@@ -88,7 +91,9 @@ def _train(rank: int, world_size: int, names: list[str]) -> dict:
         stage, options, dtype, clip = CASES[name]
         config = _config(stage, options)
         torch.manual_seed(0)
-        model = TinyLM().to(dtype)
+        model = TinyLM(BROADCASTS.get(name, WIDTH)).to(dtype)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if name in BROADCASTS else threads)
         user_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         comm = Collectives(ranks_per_node=PER_NODE)
         sharder = shard_module(model, config, comm) if stage == 3 else None
@@ -116,16 +121,18 @@ def _train(rank: int, world_size: int, names: list[str]) -> dict:
         with gathered_parameters(model):
             params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         out[name] = {"phases": deltas, "stats": opt.comm_stats(), "sharder_stats": sharder.comm_stats()
-                     if sharder is not None else None, "params": params}
+                     if sharder is not None else None, "params": params,
+                     "left_out": sharder is not None and sharder.guard.leaves_out}
+        torch.set_num_threads(threads)
     return out
 
 
 def _predicted(name: str, by_phase: bool):
     stage, options, dtype, clip = CASES[name]
     with torch.device("meta"):
-        model = TinyLM()
+        model = TinyLM(BROADCASTS.get(name, WIDTH))
     return predict_step_bytes(model, _config(stage, options), WORLD, PER_NODE, dtype=dtype,
-                              clipping=clip, by_phase=by_phase)
+                              clipping=clip, by_phase=by_phase, gathers_by_broadcasts=name in BROADCASTS)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +146,7 @@ def test_comm_stats_equal_the_models_prediction_exactly(runs, name):
     want, phases = _predicted(name, by_phase=False), _predicted(name, by_phase=True)
     for rank, result in enumerate(runs):
         got = result[name]
+        assert got["left_out"] == (name in BROADCASTS), f"rank {rank}: headers left out: {got['left_out']}"
         assert got["stats"] == want, f"rank {rank}"
         if got["sharder_stats"] is not None:
             assert got["sharder_stats"] == want

@@ -63,22 +63,27 @@ CASES = {
     "skip-pass-15-quantized": ("skip", 15, {"quantized_weights": True}, False),
     "other-unit-pass-15-secondary": ("other", 15, {"secondary_partition_size": 2}, False),
     "other-unit-pass-15-deferred": ("other", 15, {}, True),
-    "skip-pass-15-broadcasts": ("skip", 15, {}, False),  # wide blocks: see WIDE
+    # wide blocks (see WIDE): headers left out, tags compared at the step, or at the end of an evaluation pass
+    "skip-pass-15-broadcasts": ("skip", 15, {}, False),
+    "other-unit-pass-15-broadcasts": ("other", 15, {}, False),
+    "other-unit-in-evaluation-pass-15-broadcasts": ("other", 15, {}, False),
     # hybrid sharding, 4 ranks: ranks 0 and 1 find it in their shard group's gathers; ranks 2 and 3, in
     # step with each other, wait across the groups for them and learn it from the rank board
     "other-unit-pass-15-hybrid": ("other", 15, {"shard_group_size": 2}, False),
 }
-FOUR_RANKS = ("skip-pass-15", "other-unit-pass-15-secondary", "other-unit-pass-15-hybrid")
+FOUR_RANKS = ("skip-pass-15", "other-unit-pass-15-secondary", "other-unit-pass-15-hybrid",
+              "other-unit-pass-15-broadcasts")
 TWO_RANKS = tuple(c for c in CASES if "shard_group_size" not in CASES[c][2])
 # blocks whose gathers go by broadcasts on gloo (one thread per rank, over 1 MiB: [Note: all-gather on
-# gloo]), where the header travels in an all-gather beside them
-WIDE = {"skip-pass-15-broadcasts": 512}
+# gloo]), which leave their headers out: see [Note: headers left out of broadcasts]
+WIDE = {case: 512 for case in CASES if case.endswith("-broadcasts")}
 
 
 def _diverging_runs(rank, world_size, cases):
     """Each case on a process group of its own (a diverged group keeps unmatched collectives):
     case -> (error message or None, seconds from the divergent pass to the error, whether this rank's
-    shards and optimizer state are those from before the divergent pass)."""
+    shards and optimizer state are those from before the divergent pass, whether gathers left their
+    headers out). An "evaluation" case's divergent pass is a forward without grad, backward or step."""
     out = {}
     for case in cases:
         how, at_pass, options, deferred = CASES[case]
@@ -102,6 +107,10 @@ def _diverging_runs(rank, world_size, cases):
                 before = _state(sharder, opt)
             start = time.monotonic()
             try:
+                if "evaluation" in case and step == at_pass - 1:
+                    with torch.no_grad():
+                        model(x, how if diverging else None)
+                    continue
                 opt.zero_grad()
                 F.mse_loss(model(x, how if diverging else None), y).backward()
                 opt.step()
@@ -109,7 +118,7 @@ def _diverging_runs(rank, world_size, cases):
                 error, elapsed = str(err), time.monotonic() - start
                 break
         unchanged = before is not None and all(torch.equal(a, b) for a, b in zip(before, _state(sharder, opt)))
-        out[case] = (error, elapsed, unchanged)
+        out[case] = (error, elapsed, unchanged, sharder.guard.leaves_out)
     return out
 
 
@@ -149,7 +158,8 @@ def _all_runs(rank, world_size, unit_cases, step_cases):
 def test_a_rank_running_other_units_at_any_pass_stops_every_rank_before_the_step(diverged, world, case):
     how, at_pass, _, _ = CASES[case]
     for rank, (results, _) in enumerate(diverged[world]):
-        error, elapsed, unchanged = results[case]
+        error, elapsed, unchanged, left_out = results[case]
+        assert left_out == (case in WIDE), f"rank {rank}: headers left out: {left_out}"
         assert error is not None, f"rank {rank}: no UnitOrderError"
         assert "the ranks gathered different units at the same point" in error, error
         assert f"(pass {at_pass}, gather" in error, error

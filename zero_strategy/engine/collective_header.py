@@ -14,9 +14,13 @@ another gather's chunk: gloo ends the process when two ranks' collectives of one
 size, with no message of ours, where two of different kinds merely wait (and the store comparison of
 [Note: order guard] tells). So on NCCL the chunk and the header go in one coalesced group of two
 all-gathers. On gloo, where a gather goes by broadcasts ([Note: all-gather on gloo] in
-collectives.py: large, one thread per rank), the header goes in an all-gather issued just before
-them, a collective of another kind than theirs, and is checked before they are waited for: no copy,
-one small collective more. Otherwise it is one all-gather of each rank's chunk and header side by
+collectives.py: large, one thread per rank), a header of a pass does not travel at all: no
+broadcast of a chunk can carry it, and a small all-gather of its own beside them cost 2-9% of a
+step; the guard checks its words later, all of a step's together, inside a collective the step
+already makes (see [Note: headers left out of broadcasts] in order_guard.py). A gather outside the
+passes (a state dict, gathered_parameters) sends its header there in an all-gather issued just
+before the broadcasts, a collective of another kind than theirs, checked before they are waited for.
+Otherwise it is one all-gather of each rank's chunk and header side by
 side, into a buffer of its own from which the chunks are copied out once the header is checked: that
 buffer while the gather lasts, and one copy of the unit. gloo's coalesced all-gather, which carried
 both in one collective before, corrupts the heap now and then while gloo's two worker threads run
@@ -28,8 +32,8 @@ collective ahead of the others paired its chunk with their header, and gloo ende
 Every rank receives every rank's header and compares them when the gather is waited for, before
 anything reads the gathered weights (see [Note: order guard] in order_guard.py). Cost: 16 bytes per
 rank in each all-gather's output, so 16 (n - 1) bytes more sent per rank per all-gather: 16,368
-bytes at 1,024 ranks, counted by ``comm_stats()`` and predicted by the communication model
-(comm_model.py).
+bytes at 1,024 ranks (none in a pass's gathers by broadcasts, 16 more in the step's all-reduce),
+counted by ``comm_stats()`` and predicted by the communication model (comm_model.py).
 """
 
 from __future__ import annotations
@@ -59,17 +63,29 @@ def decode(words: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
 
 
 class Header:
-    """One all-gather's header: ``words`` to send, and ``check``, called with every rank's words
-    (an int32 tensor (n, 4), by rank) once the gather completed; ``waiting(seconds)``, called while
-    a wait for the gather lasts (see ``Watchdog.wait``)."""
+    """One gather's header: ``words`` to send, and ``check``, called with every rank's words (an
+    int32 tensor (n, 4), by rank) once an all-gather carrying them completed; ``waiting(seconds)``,
+    called while a wait for the gather lasts (see ``Watchdog.wait``); ``defer``, where set, called
+    instead of sending the words where they would need a collective of their own (see [Note: headers
+    left out of broadcasts] in order_guard.py)."""
 
-    __slots__ = ("words", "check", "waiting")
+    __slots__ = ("words", "check", "waiting", "defer", "_left_out")
 
     def __init__(self, words: torch.Tensor, check: Callable[[torch.Tensor], None],
-                 waiting: Optional[Callable[[float], None]] = None) -> None:
+                 waiting: Optional[Callable[[float], None]] = None,
+                 defer: Optional[Callable[[], None]] = None) -> None:
         self.words = words
         self.check = check
         self.waiting = waiting
+        self.defer = defer
+        self._left_out = False
+
+    def leave_out(self) -> None:
+        """This gather goes without its header: hand the words to ``defer`` (once per gather, however
+        many all-gathers it takes)."""
+        if self.defer is not None and not self._left_out:
+            self._left_out = True
+            self.defer()
 
     def send_as(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The words' raw bits as a 1-d tensor of ``dtype``."""

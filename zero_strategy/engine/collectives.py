@@ -68,6 +68,7 @@ here can see it: the step's tally does ([Note: the step's tally] in step_tally.p
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -163,8 +164,10 @@ class Collectives:
             self.nodes = NodeLayout(dist.get_world_size() if initialized else 1, ranks_per_node)
             self.counter = CommCounter()
             self._subgroups: dict[tuple, "Collectives"] = {}
+            self.explainers: list[weakref.WeakMethod] = []  # see explain
         else:  # a subgroup counts into its parent's counter, on the same nodes
             self.nodes, self.counter, self._subgroups = _parent.nodes, _parent.counter, _parent._subgroups
+            self.explainers = _parent.explainers
         self.global_ranks = [self.global_rank(r) for r in range(self.world_size)]
         self.inter_node = self.nodes.spans_nodes(self.global_ranks)
         self._by_broadcasts: Optional[bool] = None  # see _gathers_by_broadcasts
@@ -202,6 +205,7 @@ class Collectives:
             if int(their_seq) == seq and their_kind != kind:
                 differ[rank] = their_what
         if differ:
+            self.explain()
             lines = [f"  rank {board.rank}: {doing}"] + [f"  rank {r}: {w}" for r, w in sorted(differ.items())]
             raise out_of_step(
                 f"the ranks issued different collectives at the same point (collective {seq} of this group):\n"
@@ -211,6 +215,15 @@ class Collectives:
                 "rank), skipped a step, or skipped a module waits for collectives the others never issue; and at stage "
                 "3 gathered_parameters and state dicts are collectives too, to enter on every rank (not under `if "
                 "rank == 0:`).", self.scope)
+
+    def explain(self) -> None:
+        """The ranks are out of step: let what knows more say it first (an order guard whose gathers
+        went without their headers raises the UnitOrderError of the first that differed: see [Note:
+        headers left out of broadcasts] in order_guard.py); returns if none does."""
+        for method in list(self.explainers):
+            explain = method()
+            if explain is not None:
+                explain()
 
     def _count(self, kind: str, algorithm: str, nbytes: int) -> None:
         self.counter.add(kind, sent_bytes(algorithm, nbytes, self.world_size), self.inter_node)
@@ -330,11 +343,15 @@ class Collectives:
     def _all_gather_with_header(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
                                 header: Header) -> Pending:
         """Every rank's ``input`` and header (see [Note: the collective header]): on NCCL one
-        coalesced group of two all-gathers; on gloo the header's all-gather and the chunks'
-        broadcasts where a gather goes by broadcasts ([Note: all-gather on gloo]), else one
-        all-gather of each rank's chunk and header side by side, the chunks copied out once the
-        header is checked."""
+        coalesced group of two all-gathers; on gloo, where a gather goes by broadcasts ([Note:
+        all-gather on gloo]), the chunks' broadcasts alone with a header that can be left out,
+        else the header's all-gather and the broadcasts; otherwise one all-gather of each rank's
+        chunk and header side by side, the chunks copied out once the header is checked."""
         n, nbytes = self.world_size, output.numel() * output.element_size()
+        if self._by_broadcasts_at(nbytes) and header.defer is not None:
+            self._count("all_gather", "all_gather", nbytes)
+            header.leave_out()
+            return self._gather_by_broadcasts(output, input, what, header.waiting)
         self._count("all_gather", "all_gather", nbytes + n * HEADER_BYTES)
         if self._by_broadcasts_at(nbytes):
             received = header.receive_buffer(n, torch.int32, input.device)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import deque
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from .layout import Piece
 from .local_accumulation import LocalAccumulation
 from .offload import host_empty, wait_for_copies
 from .pool import BufferPool
+
+if TYPE_CHECKING:
+    from .order_guard import OrderGuard
 
 ROUNDING_SEED = 0x5EED
 """Seed of the stochastic rounding of quantized gradients (plus the rank): runs repeat."""
@@ -160,18 +163,22 @@ class GradientReducer:
         device's copies are done)."""
         raise NotImplementedError
 
-    def received_anywhere(self, steps: int) -> list[list[bool]]:
+    def received_anywhere(self, steps: int, guard: Optional["OrderGuard"] = None) -> list[list[bool]]:
         """Which parameters got a gradient on at least one rank since zero_grad (one all-reduce,
         which checks that every rank is at its ``steps``-th step after as many backward passes as
-        this one: see [Note: the step's tally])."""
+        this one, and that ``guard``'s gathers without headers agree: see [Note: the step's tally])."""
         flags = [f for per_group in self.received for f in per_group]
         if not flags:
             return []
-        tally = step_tally.tally_bytes(steps, self.backwards)
+        digest = guard.digest() if guard is not None else 0
+        tally = step_tally.tally_bytes(steps, self.backwards, digest)
         mask = torch.cat([torch.tensor(flags, dtype=torch.uint8), tally]).to(self.groups[0].device)
         self.world.all_reduce(mask, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of which parameters got gradients")
         key = f"tally/{self.world.key}/{self.world.issued}"  # this all-reduce, named alike on every rank
-        step_tally.check(tally, mask[len(flags):], steps, self.backwards, key, self.world.scope)
+        step_tally.check(tally, mask[len(flags):], steps, self.backwards, key, self.world.scope, digest,
+                         self.world.explain)
+        if guard is not None:
+            guard.checked()
         values, out = mask[: len(flags)].tolist(), []
         for per_group in self.received:
             out.append([bool(v) for v in values[: len(per_group)]])

@@ -155,7 +155,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         self.reducer.reduce()
         self.steps_begun += 1
-        received = self.reducer.received_anywhere(self.steps_begun)
+        received = self.reducer.received_anywhere(self.steps_begun, self.sharder.guard)
         self.step_backend.gradients_reduced()
         pairs, where = [], []
         for ref in self.pieces():

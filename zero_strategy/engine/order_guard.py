@@ -24,17 +24,42 @@ When the tags differ because the ranks are in different parts of the program (on
 ranks posted (see [Note: the rank board] in rank_board.py). A rank that has joined (``Join``, see
 join.py) replays a forward and backward of its own on the others' cue, so its tags are those of a
 rank in step and the guard accepts it; the board notes it as joined, for messages.
+
+[Note: headers left out of broadcasts]
+A large gather on gloo goes as one broadcast per rank, straight into the gathered buffer ([Note:
+all-gather on gloo] in collectives.py), and no broadcast can carry a header beside its chunk without
+copying it; a small all-gather of the headers beside the broadcasts cost 2-9% of a step (RESULTS.md,
+issue 34). So in a pass such a gather sends no header: the guard keeps its tag, and compares the
+tags kept on every rank later, in bulk, by a digest (64 bits of BLAKE2b over them; ranks in step
+keep the same tags, so their digests are equal, and different tags collide with chance 2^-63):
+- at the optimizer step, in the tally of the step's all-reduce (see [Note: the step's tally] in
+  step_tally.py), which every step makes anyway: no collective more, 16 bytes more in it;
+- at the end of a pass that no backward ended (evaluation, generation), or of any pass once more
+  than ``LEFT_OUT_MAX`` tags wait, with one all-reduce of 16 bytes of its own.
+Digests that differ mean that some rank's gathers differ: every rank posts its kept tags on the
+store and raises the UnitOrderError of the first gather that differed, before the step updates
+anything. Mixed weights may have been computed with in the meantime (forward, backward, the
+gradients' reduce-scatters), never stepped with. Ranks that part by a gather's *count* meet
+collectives of different kinds first; there too the kept tags are compared before the kinds are
+named (``Collectives.explain``). A gather outside the passes (a state dict, gathered_parameters)
+sends its header as before, checked at once: its weights may be written to a file right after.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import time
+import weakref
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import rank_board
 from .collective_header import Header, decode, encode
 from .collectives import Collectives
+from .step_tally import NAME_WAIT_S, agreed, word_bytes
 from .watchdog import out_of_step
 
 PHASES = ("forward", "backward", "prefetch for forward", "prefetch for backward", "recomputation in backward",
@@ -48,6 +73,10 @@ _DOING = (  # what a rank was doing when it gathered ``unit``; ``context`` is th
     "recomputing the forward of {unit} in backward",
     "gathering {unit} outside forward and backward (gathered_parameters, a state dict)",
 )
+
+LEFT_OUT_MAX = 4096
+"""Tags of gathers without their header kept at most until a pass's end compares them (see [Note:
+headers left out of broadcasts])."""
 
 
 class OrderGuard:
@@ -64,9 +93,14 @@ class OrderGuard:
         self.passes = 0  # passes begun: forward (and backward) of the whole module, or a step around it
         self.seq = 0  # gathers in the current pass
         self._unchecked: list[tuple[torch.Tensor, torch.Tensor]] = []  # deferred: (any difference, tags)
+        self._left_out: list[tuple[int, ...]] = []  # tags of gathers sent without their header, not compared yet
+        self._checks = 0  # comparisons of left-out tags passed (the same on ranks in step)
+        self.leaves_out = False  # some gather went without its header
         OrderGuard.made += 1  # every rank makes its guards in the same order; the group's first rank and size
+        self._made = OrderGuard.made
         self._key = f"gather/{OrderGuard.made}/{comm.global_rank(0)}+{comm.world_size}"  # tell subgroups apart
         self._members = {comm.global_rank(r) for r in range(comm.world_size)}
+        comm.explainers.append(weakref.WeakMethod(self.explain_left_out))
 
     made = 0  # guards made in this process: the store's posts of one guard are not another's
 
@@ -82,7 +116,73 @@ class OrderGuard:
             return None
         self.seq += 1
         words = encode(self.passes, self.seq, unit, phase, context)
-        return Header(words, self._received, lambda waited: waited >= self.wait_s and self._waiting_long(words))
+        defer = None if phase == OUTSIDE else functools.partial(self._leave_out, words)
+        return Header(words, self._received, lambda waited: waited >= self.wait_s and self._waiting_long(words),
+                      defer)
+
+    # ---- headers left out: see [Note: headers left out of broadcasts] --------------------------
+
+    def _leave_out(self, words: torch.Tensor) -> None:
+        self._left_out.append(tuple(words.tolist()))
+        self.leaves_out = True
+
+    def digest(self) -> int:
+        """The digest of the tags left out since the last comparison, a positive int64 (0: none)."""
+        if not self._left_out:
+            return 0
+        raw = torch.tensor(self._left_out, dtype=torch.int32).numpy().tobytes()
+        return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1 | 1
+
+    def checked(self) -> None:
+        """Every rank's ``digest`` was found equal to this one's."""
+        self._left_out.clear()
+        self._checks += 1
+
+    def end_pass(self, step_follows: bool) -> None:
+        """A pass ended: compare the deferred tags, and the left-out ones unless a step will (its
+        backward ended: ``step_follows``) and not too many wait."""
+        self.flush()
+        if self._left_out and (not step_follows or len(self._left_out) > LEFT_OUT_MAX):
+            digest = self.digest()
+            sent = word_bytes(digest)
+            reduced = sent.clone()
+            self.comm.all_reduce(reduced, dist.ReduceOp.MAX,
+                                 what=lambda: f"all-reduce of the digest of stage-3 gathers (pass {self.passes})")
+            if not agreed(sent, reduced):
+                self.explain_left_out()
+                raise out_of_step(
+                    f"ZeRO stage 3: the ranks gathered different units in the passes up to pass {self.passes} (the "
+                    "digests of their gathers differ; the gathers themselves could not be read from the other ranks "
+                    "in time). Every rank must run the same stage-3 units in the same order, whatever its data.",
+                    self.comm.scope)
+            self.checked()
+
+    def explain_left_out(self) -> None:
+        """The ranks are out of step: post the tags left out since the last comparison, read the other
+        ranks' (for at most NAME_WAIT_S) and raise UnitOrderError at the first gather that differed.
+        Returns when no gather here went without its header, when the tags could not be read, or
+        when they agree."""
+        board = rank_board.board()
+        if not (self.leaves_out and board.enabled):
+            return
+        key = f"left_out/{self._made}/{self._checks}"
+        mine = self._left_out
+        try:
+            board.post(key, ";".join(",".join(map(str, tag)) for tag in mine))
+            deadline = time.monotonic() + NAME_WAIT_S
+            while True:
+                posted = {r: text for r, text in board.posted(key).items() if r in self._members}
+                if len(posted) >= len(self._members) - 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception:  # the store is gone or slow: the caller says what it knows
+            return
+        kept = {board.rank: mine, **{r: [tuple(int(v) for v in tag.split(",")) for tag in text.split(";") if tag]
+                                     for r, text in posted.items()}}
+        for i in range(max(len(tags) for tags in kept.values())):
+            row = {r: tags[i] if i < len(tags) else None for r, tags in kept.items()}
+            if len(set(row.values())) > 1:
+                self._raise_differing(row)
 
     def _waiting_long(self, words: torch.Tensor) -> None:
         """A wait for a gather has lasted ``wait_s`` (``unit_order_wait``): the ranks' collectives may differ in size
@@ -122,9 +222,17 @@ class OrderGuard:
     def _compare(self, tags: torch.Tensor, ranks: Optional[Sequence[int]] = None) -> None:
         if bool((tags == tags[0]).all()):
             return
-        lines = []
         ranks = ranks or [self.comm.global_rank(r) for r in range(len(tags))]  # global ranks, as the store's
-        for rank, (passes, seq, unit, phase, context) in zip(ranks, decode(tags)):
+        self._raise_differing(dict(zip(ranks, map(tuple, tags.tolist()))))
+
+    def _raise_differing(self, tags: dict[int, Optional[tuple[int, ...]]]) -> None:
+        """UnitOrderError naming each rank's tag (global rank -> its words; None: it gathered nothing more)."""
+        lines = []
+        for rank in sorted(tags):
+            if tags[rank] is None:
+                lines.append(f"  rank {rank}: no further gather (it went on to other work)")
+                continue
+            passes, seq, unit, phase, context = decode(torch.tensor([tags[rank]], dtype=torch.int32))[0]
             doing = _DOING[phase].format(unit=self._name(unit), context=self._name(context)) \
                 if 0 <= phase < len(_DOING) else f"phase {phase} of {self._name(unit)}"
             lines.append(f"  rank {rank}: {doing} (pass {passes}, gather {seq} in it)")

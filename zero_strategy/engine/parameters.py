@@ -183,6 +183,7 @@ class FlatParameters:
         self._nesting: dict[tuple[int, int], bool] = {}  # see _nested
         self._root_held_for_step = False
         self._in_pass = False  # between _begin_pass and _end_pass
+        self._backward_ended = False  # in this pass: a step follows, which checks the gathers (order_guard.py)
         for unit in self.all_units:
             unit.schedule = self
         self.weight_quantization = config.weight_quantization  # see [Note: quantized gathers] in flat.py
@@ -406,6 +407,7 @@ class FlatParameters:
         """A forward pass (and its backward) begins: the root's forward, or a step around it."""
         if not self._in_pass:
             self._in_pass = True
+            self._backward_ended = False
             self.guard.begin_pass()
             self.pool.begin_pass()
 
@@ -415,7 +417,7 @@ class FlatParameters:
         for unit in self.all_units:
             unit.end_pass()
         self.pool.end_pass()
-        self.guard.flush()
+        self.guard.end_pass(step_follows=self._backward_ended)
 
     # ---- called by the gradient reducer ----------------------------------------------------
 
@@ -428,6 +430,7 @@ class FlatParameters:
     def backward_finished(self) -> None:
         for unit in self.all_units:
             unit.backward_ended()
+        self._backward_ended = True  # a step follows: see [Note: headers left out of broadcasts]
         self.release_root()  # ends the pass
 
     def held_tensors(self) -> list[torch.Tensor]:

@@ -8,32 +8,35 @@ gather headers of stage 3 nor the comparison of kinds in [Note: collectives that
 it); the step then averages gradients of different micro-batches, silently. So each step's
 all-reduce of which parameters got a gradient (one per step, over every rank, before any update)
 carries a *tally*: the steps this rank's optimizer began and the backward passes its gradient hooks
-saw, both since the engine was made. Ranks in step agree on both (a joined rank, see join.py,
-replays the others' passes and steps, so it agrees too).
+saw, both since the engine was made, and at stage 3 a digest of the gathers whose headers were left
+out since the last check (see [Note: headers left out of broadcasts] in order_guard.py; 0 for
+none). Ranks in step agree on all three (a joined rank, see join.py, replays the others' passes and
+steps, so it agrees too).
 
 That all-reduce takes the largest value, elementwise, of bytes. A tally word goes as its eight bytes
 b and their complements 255 - b: the largest b over the ranks is the rank's own, and the largest
 255 - b is 255 minus its own, exactly when the smallest and largest b are equal, that is when every
 rank sent the same byte. So every rank learns whether every rank sent its tally, at no collective
-of its own: 32 bytes more in one small all-reduce per step, whatever the number of ranks (32 more
+of its own: 48 bytes more in one small all-reduce per step, whatever the number of ranks (48 more
 bytes at 1,024 ranks too, counted by ``comm_stats()`` and predicted by comm_model.py). A rank that
 differs from any other sees its own bytes overtaken in one of the two halves, so every rank of a
 tally that disagrees raises ``UnitOrderError`` before the step changes anything; to name what each
 rank did, each posts its tally on the process group's store and reads the others' (for at most
-``NAME_WAIT_S``).
+``NAME_WAIT_S``); where only the digests differ, the order guard names the first gather that
+differed, from the tags each rank posts.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from . import rank_board
 from .watchdog import out_of_step
 
-WORDS = 2  # steps begun, backward passes
+WORDS = 3  # steps begun, backward passes, the digest of the headers left out
 TALLY_BYTES = 2 * 8 * WORDS
 """Bytes the tally adds to the step's all-reduce of which parameters got a gradient."""
 
@@ -41,10 +44,16 @@ NAME_WAIT_S = 5.0
 """How long a rank that found a disagreement waits for the others' posted tallies, to name them."""
 
 
-def tally_bytes(steps: int, backwards: int) -> torch.Tensor:
-    """The ``TALLY_BYTES`` a rank adds: the words' bytes, then their complements (uint8)."""
-    raw = torch.tensor([steps, backwards], dtype=torch.int64).view(torch.uint8)
+def word_bytes(*words: int) -> torch.Tensor:
+    """int64 ``words`` as their bytes, then their complements (uint8): sent in an all-reduce that takes
+    the maximum, they come back unchanged exactly when every rank sent the same words."""
+    raw = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
     return torch.cat([raw, 255 - raw])
+
+
+def tally_bytes(steps: int, backwards: int, digest: int = 0) -> torch.Tensor:
+    """The ``TALLY_BYTES`` a rank adds (see ``word_bytes``)."""
+    return word_bytes(steps, backwards, digest)
 
 
 def agreed(sent: torch.Tensor, reduced: torch.Tensor) -> bool:
@@ -53,14 +62,16 @@ def agreed(sent: torch.Tensor, reduced: torch.Tensor) -> bool:
 
 
 def _describe(text: str) -> str:
-    steps, backwards = text.split(",")
+    steps, backwards, _ = text.split(",")
     return f"step {int(steps)}, after {int(backwards)} backward passes since the engine was made"
 
 
-def raise_disagreement(steps: int, backwards: int, key: str, scope: Optional[str] = None) -> None:
+def raise_disagreement(steps: int, backwards: int, digest: int, key: str, scope: Optional[str] = None,
+                       explain: Optional[Callable[[], None]] = None) -> None:
     """This rank's tally differs from another's: post it, read the others' and raise UnitOrderError
-    (``scope``: the engine's, see ``watchdog.out_of_step``)."""
-    mine = f"{steps},{backwards}"
+    (``scope``: the engine's, see ``watchdog.out_of_step``). Where the ranks differ in the digest
+    alone, ``explain()`` raises the order guard's error naming the gathers that differed."""
+    mine = f"{steps},{backwards},{digest}"
     board = rank_board.board()
     posted: dict[int, str] = {}
     if board.enabled:
@@ -74,6 +85,14 @@ def raise_disagreement(steps: int, backwards: int, key: str, scope: Optional[str
             if len(posted) >= board.world_size - 1 or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
+    if len({t.rsplit(",", 1)[0] for t in [mine, *posted.values()]}) == 1:  # the same work, other gathers
+        if explain is not None:
+            explain()  # names them, from the tags each rank kept
+        raise out_of_step(
+            f"the ranks reached optimizer step {steps} after the same {backwards} backward passes, but gathered "
+            "different stage-3 units in them (the digests of their gathers differ; the gathers themselves could not "
+            "be read from the other ranks in time). Every rank must run the same stage-3 units in the same order, "
+            "whatever its data. Nothing was updated.", scope)
     lines = [f"  rank {r}: {_describe(t)}" for r, t in sorted({board.rank: mine, **posted}.items())]
     missing = "" if len(posted) >= board.world_size - 1 else "\n  (the other ranks did not say theirs in time)"
     raise out_of_step(
@@ -85,8 +104,8 @@ def raise_disagreement(steps: int, backwards: int, key: str, scope: Optional[str
 
 
 def check(sent: torch.Tensor, reduced: torch.Tensor, steps: int, backwards: int, key: Optional[str],
-          scope: Optional[str] = None) -> None:
+          scope: Optional[str] = None, digest: int = 0, explain: Optional[Callable[[], None]] = None) -> None:
     """Raise UnitOrderError on this rank if the ranks' tallies differ (``key``: where to post them;
-    ``scope``: see ``raise_disagreement``)."""
+    the rest: see ``raise_disagreement``)."""
     if not agreed(sent, reduced):
-        raise_disagreement(steps, backwards, key or "tally", scope)
+        raise_disagreement(steps, backwards, digest, key or "tally", scope, explain)
