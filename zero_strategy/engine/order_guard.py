@@ -13,7 +13,8 @@ was doing. The header costs no collective of its own, so every pass is checked, 
 too (state dicts, gathered_parameters). (The guard used to issue an all-gather of its own per unit
 gather, 3-6% of a step, and so checked only one pass in ``check_unit_order_every`` after the first
 ten; that setting is now accepted and ignored, with a warning.) On the host (gloo) the tags are
-compared at once. On CUDA they are compared at the end of each pass (``flush``), which already
+compared at once, except those of gathers that go as broadcasts, which carry no header and are
+compared at the step (see [Note: headers left out of broadcasts] below). On CUDA they are compared at the end of each pass (``flush``), which already
 waits for the device, so the check never stalls the stream; there a divergence is named at the end
 of its pass, before the optimizer step, and one that makes NCCL hang before that is left to
 NCCL's own timeout. The tags are those of the gathers this rank issues: prefetches included, which
