@@ -254,9 +254,10 @@ def test_the_tally_agrees_exactly_when_every_rank_sent_the_same():
     values = [0, 1, 255, 256, 2**31 - 1] + torch.randint(0, 2**31 - 1, (20,), generator=g).tolist()
     for steps in values:
         for backwards in (steps, steps + 1, steps ^ 0x100, 0):
-            mine = tally_bytes(steps, steps)
-            other = tally_bytes(steps, backwards)
-            reduced = torch.maximum(mine, other)  # the all-reduce's MAX over the two ranks
-            same = backwards == steps
-            assert agreed(mine, reduced) == same and agreed(other, reduced) == same, (steps, backwards)
-    assert tally_bytes(7, 9).numel() == TALLY_BYTES
+            for digest in (0, steps, 2**63 - 1 - steps):
+                mine = tally_bytes(steps, steps, steps)
+                other = tally_bytes(steps, backwards, digest)
+                reduced = torch.maximum(mine, other)  # the all-reduce's MAX over the two ranks
+                same = backwards == steps and digest == steps
+                assert agreed(mine, reduced) == same and agreed(other, reduced) == same, (steps, backwards, digest)
+    assert tally_bytes(7, 9, 11).numel() == TALLY_BYTES
