@@ -70,6 +70,9 @@ CASES = {
     # hybrid sharding, 4 ranks: ranks 0 and 1 find it in their shard group's gathers; ranks 2 and 3, in
     # step with each other, wait across the groups for them and learn it from the rank board
     "other-unit-pass-15-hybrid": ("other", 15, {"shard_group_size": 2}, False),
+    # rank 1 evaluates (a forward without grad, no backward, no step) where rank 0 trains: rank 0's backward
+    # gathers a block where rank 1 ends its pass and would gather the root (another size: gloo's abort)
+    "evaluation-on-one-rank-pass-15": ("evaluate", 15, {}, False),
 }
 FOUR_RANKS = ("skip-pass-15", "other-unit-pass-15-secondary", "other-unit-pass-15-hybrid",
               "other-unit-pass-15-broadcasts")
@@ -99,7 +102,7 @@ def _diverging_runs(rank, world_size, cases):
         sharder.guard.deferred = deferred
         opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config, sharder=sharder)
         error, elapsed, before = None, None, None
-        for step in range(at_pass):
+        for step in range(at_pass + 1):  # one more: a rank that diverged by evaluating trains again
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(4, width, generator=g), torch.randn(4, 1, generator=g)
             diverging = rank == 1 and step == at_pass - 1
@@ -107,9 +110,9 @@ def _diverging_runs(rank, world_size, cases):
                 before = _state(sharder, opt)
             start = time.monotonic()
             try:
-                if "evaluation" in case and step == at_pass - 1:
+                if (diverging and how == "evaluate") or ("evaluation-pass" in case and step == at_pass - 1):
                     with torch.no_grad():
-                        model(x, how if diverging else None)
+                        model(x, how if diverging and how != "evaluate" else None)
                     continue
                 opt.zero_grad()
                 F.mse_loss(model(x, how if diverging else None), y).backward()

@@ -173,10 +173,12 @@ class Collectives:
         self._by_broadcasts: Optional[bool] = None  # see _gathers_by_broadcasts
 
     def _pending(self, work: Optional[dist.Work], then: Optional[Callable[[], object]], what: Describe,
-                 kind: str, waiting: Optional[Callable[[float], None]] = None) -> Pending:
-        """``work`` as a Pending; ``kind`` (its collective's) and the count of collectives issued
-        here tell it apart from another rank's (see [Note: collectives that differ])."""
+                 kind: str, header: Optional[Header] = None) -> Pending:
+        """``work`` as a Pending; ``kind`` (its collective's), the count of collectives issued here
+        and the order guard's ``header`` (of a gather) tell it apart from another rank's (see [Note:
+        collectives that differ])."""
         self.issued += 1
+        waiting = header.waiting if header is not None else None
         if self.watchdog.watched:
             seq, inner = self.issued, waiting
 
@@ -184,26 +186,35 @@ class Collectives:
                 if inner is not None:
                     inner(waited)
                 if waited >= self.mismatch_wait_s:
-                    self._compare_posted(seq, kind, what)
+                    self._compare_posted(seq, kind, what, header)
         return Pending(work, then, self.watchdog, what, waiting)
 
-    def _compare_posted(self, seq: int, kind: str, what: Describe) -> None:
+    def _compare_posted(self, seq: int, kind: str, what: Describe, header: Optional[Header] = None) -> None:
         """This rank has waited long for its ``seq``-th collective: post it, and raise UnitOrderError
-        if another rank waits at the same ``seq`` for another kind (see [Note: collectives that differ])."""
+        if another rank waits at the same ``seq`` for another kind, or for a gather with another
+        header (see [Note: collectives that differ])."""
         board = rank_board.board()
         if not board.enabled:
             return
         doing = what()
+        words = ",".join(map(str, header.words.tolist())) if header is not None else ""
         try:
-            board.post(self.key, f"{seq}|{kind}|{doing}")
+            board.post(self.key, f"{seq}|{kind}|{words}|{doing}")
             posted = board.posted(self.key)
         except Exception:  # the store is gone or slow: the watchdog goes on
             return
-        differ = {}
+        differ, other_tags = {}, {}
         for rank, text in posted.items():
-            their_seq, their_kind, their_what = text.split("|", 2)
-            if int(their_seq) == seq and their_kind != kind:
+            their_seq, their_kind, their_words, their_what = text.split("|", 3)
+            if int(their_seq) != seq:
+                continue
+            if their_kind != kind:
                 differ[rank] = their_what
+            elif words and their_words and their_words != words:  # two gathers, for different units
+                other_tags[rank] = tuple(int(v) for v in their_words.split(","))
+        if other_tags and header is not None and header.differ is not None:
+            self.explain()
+            header.differ({board.rank: tuple(header.words.tolist()), **other_tags})
         if differ:
             self.explain()
             lines = [f"  rank {board.rank}: {doing}"] + [f"  rank {r}: {w}" for r, w in sorted(differ.items())]
@@ -351,14 +362,14 @@ class Collectives:
         if self._by_broadcasts_at(nbytes) and header.defer is not None:
             self._count("all_gather", "all_gather", nbytes)
             header.leave_out()
-            return self._gather_by_broadcasts(output, input, what, header.waiting)
+            return self._gather_by_broadcasts(output, input, what, header)
         self._count("all_gather", "all_gather", nbytes + n * HEADER_BYTES)
         if self._by_broadcasts_at(nbytes):
             received = header.receive_buffer(n, torch.int32, input.device)
             work = _all_gather_single(received.view(-1), header.send_as(torch.int32, input.device),
                                       group=self.group, async_op=True)
-            checked = self._pending(work, lambda: header.received(received), what, "all-gather", header.waiting)
-            gathered = self._gather_by_broadcasts(output, input, what, header.waiting)
+            checked = self._pending(work, lambda: header.received(received), what, "all-gather", header)
+            gathered = self._gather_by_broadcasts(output, input, what, header)
             return Pending(then=lambda: wait_all([checked, gathered]))
         if self.backend == "gloo":
             chunk = input.numel()
@@ -372,14 +383,14 @@ class Collectives:
             def then() -> None:
                 header.received(staged[:, chunk:].contiguous())  # before anything reads the chunks
                 output.view(n, -1).copy_(staged[:, :chunk])
-            return self._pending(work, then, what, "all-gather", header.waiting)
+            return self._pending(work, then, what, "all-gather", header)
         received = header.receive_buffer(n, input.dtype, input.device)
         send = header.send_as(input.dtype, input.device)
         with dist._coalescing_manager(self.group, input.device, async_ops=True) as coalesced:
             _all_gather_single(output, input.view(-1), group=self.group)
             _all_gather_single(received.view(-1), send, group=self.group)
         return self._pending(_Works(coalesced.works), lambda: header.received(received), what, "all-gather",
-                             header.waiting)
+                             header)
 
     def _by_broadcasts_at(self, nbytes: int) -> bool:
         """Whether an all-gather of ``nbytes`` output bytes runs as broadcasts ([Note: all-gather on gloo])."""
@@ -399,11 +410,11 @@ class Collectives:
         return self._by_broadcasts
 
     def _gather_by_broadcasts(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
-                              waiting: Optional[Callable[[float], None]] = None) -> Pending:
+                              header: Optional[Header] = None) -> Pending:
         chunks = output.view(self.world_size, -1)
         _copy_unless_same(chunks[self.rank], input.view(-1))
         parts = [self._pending(dist.broadcast(chunk, src=self.global_rank(r), group=self.group, async_op=True),
-                               None, what, "broadcast", waiting) for r, chunk in enumerate(chunks)]
+                               None, what, "broadcast", header) for r, chunk in enumerate(chunks)]
         return Pending(then=lambda: wait_all(parts))
 
     def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, spec: QuantSpec,

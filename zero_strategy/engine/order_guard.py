@@ -93,6 +93,9 @@ class OrderGuard:
         self.enabled = comm.world_size > 1
         self.passes = 0  # passes begun: forward (and backward) of the whole module, or a step around it
         self.seq = 0  # gathers in the current pass
+        self._previous_seq = 0  # gathers in the pass before it
+        self._ticks = 0  # posts of _waiting_long: another rank sees this rank's advance while it waits
+        self._ticks_seen: dict[int, int] = {}  # the other ranks' ticks at the last read
         self._unchecked: list[tuple[torch.Tensor, torch.Tensor]] = []  # deferred: (any difference, tags)
         self._left_out: list[tuple[int, ...]] = []  # tags of gathers sent without their header, not compared yet
         self._checks = 0  # comparisons of left-out tags passed (the same on ranks in step)
@@ -108,7 +111,7 @@ class OrderGuard:
     def begin_pass(self) -> None:
         self.flush()
         self.passes += 1
-        self.seq = 0
+        self._previous_seq, self.seq = self.seq, 0
 
     def header(self, unit: int, phase: int, context: int = -1) -> Optional[Header]:
         """The header of ``unit``'s all-gathers (None when the guard is off). ``context`` is the unit
@@ -119,7 +122,7 @@ class OrderGuard:
         words = encode(self.passes, self.seq, unit, phase, context)
         defer = None if phase == OUTSIDE else functools.partial(self._leave_out, words)
         return Header(words, self._received, lambda waited: waited >= self.wait_s and self._waiting_long(words),
-                      defer)
+                      defer, self._raise_differing)
 
     # ---- headers left out: see [Note: headers left out of broadcasts] --------------------------
 
@@ -186,24 +189,44 @@ class OrderGuard:
                 self._raise_differing(row)
 
     def _waiting_long(self, words: torch.Tensor) -> None:
-        """A wait for a gather has lasted ``wait_s`` (``unit_order_wait``): the ranks' collectives may differ in size
-        or kind, so that no header arrives. Post this gather's tag on the store and compare it with
-        the ones the others posted for the same gather number: a difference is an UnitOrderError, a
-        match or nothing yet goes on waiting (see [Note: order guard])."""
+        """A wait for a gather has lasted ``wait_s`` (``unit_order_wait``): the ranks' collectives may
+        differ in size or kind, so that no header arrives, or have paired across kinds and left the
+        ranks at different points. Post this gather's tag on the store (with the gathers of this
+        rank's previous pass, and a tick that advances at every post) and compare with the others':
+        - a rank at the same gather of the same pass with another tag: an UnitOrderError;
+        - a rank waiting now (its tick advanced since the last read) for a gather of a pass two or
+          more after or before this one's, or of the next pass after a pass too short to hold this
+          gather (or the reverse): it will never issue this gather, nor this rank its. The same error;
+        - else (a match, nothing yet, a rank behind that may still come) the wait goes on.
+        """
         board = rank_board.board()
         if not board.enabled:
             return
         mine = words.tolist()
+        self._ticks += 1
         try:
-            board.post(self._key, ",".join(map(str, mine)))
-            posted = {r: [int(v) for v in text.split(",")] for r, text in board.posted(self._key).items()}
+            board.post(self._key, f"{','.join(map(str, mine))}|{self._previous_seq}|{self._ticks}")
+            posted = board.posted(self._key)
         except Exception:  # the store is gone or slow: the watchdog goes on
             return
-        same_point = {r: t for r, t in posted.items() if r in self._members and t[:2] == mine[:2]}
-        if any(t != mine for t in same_point.values()):
-            rows = {board.rank: mine, **same_point}
-            ranks = sorted(rows)
-            self._compare(torch.tensor([rows[r] for r in ranks], dtype=torch.int32), ranks)
+        differ = {}
+        for rank, text in posted.items():
+            if rank not in self._members:
+                continue
+            tag, previous_seq, tick = text.split("|")
+            theirs = [int(v) for v in tag.split(",")]
+            waiting_now = self._ticks_seen.get(rank, int(tick)) != int(tick)
+            self._ticks_seen[rank] = int(tick)
+            (passes, seq), (their_passes, their_seq) = mine[:2], theirs[:2]
+            if (passes, seq) == (their_passes, their_seq):
+                if theirs != mine:
+                    differ[rank] = tuple(theirs)
+            elif waiting_now and (abs(their_passes - passes) >= 2
+                                  or (their_passes == passes + 1 and int(previous_seq) < seq)
+                                  or (their_passes == passes - 1 and self._previous_seq < their_seq)):
+                differ[rank] = tuple(theirs)
+        if differ:
+            self._raise_differing({board.rank: tuple(mine), **differ})
 
     def _received(self, tags: torch.Tensor) -> None:
         """Every rank's tag of one all-gather, (ranks, 4) int32, once it completed."""
