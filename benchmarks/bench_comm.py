@@ -29,6 +29,7 @@ gains: the bytes, and the model's time on real links, are the transferable figur
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -108,17 +109,27 @@ def predicted_step(args: argparse.Namespace, name: str, order_checked: bool) -> 
 
 # ---- part "gpt": convergence on the standard library --------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _stdlib_split(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val) bytes of the standard library's ``.py`` files, read once per process: every
+    option's run (``gpt_rank``, tests/test_comm_training.py) trains on the same bytes, and reading
+    them (walking the whole standard library) cost each rank about 0.1 s per run (4 processes on 2
+    cores), 16 times in the test. The runs share the tensors: ``train_gpt`` only reads them."""
+    from zero_strategy.data.byte_corpus import read_split, stdlib_dir
+
+    return read_split(stdlib_dir(), "*.py", 5.0, max_bytes=max_bytes)
+
+
 def train_gpt(rank: int, world: int, stage: int, options: dict, sizes: dict) -> dict:
     """``sizes["steps"]`` steps of a GPT on stdlib bytes (every rank its own batches, the same for
     every option), then the validation loss over ``sizes["val_batches"]`` fixed batches. Returns the
     final validation loss, the training losses, the seconds per step and the last step's bytes."""
     from zero_strategy import gathered_parameters
-    from zero_strategy.data.byte_corpus import read_split, stdlib_dir
     from zero_strategy.models.gpt import GPT
     from zero_strategy.models.optim import param_groups, warmup_cosine
 
     seq, batch = sizes["seq_len"], sizes["batch"]
-    train, val = read_split(stdlib_dir(), "*.py", 5.0, max_bytes=sizes["max_bytes"])
+    train, val = _stdlib_split(sizes["max_bytes"])
     torch.manual_seed(1234)
     model = GPT(n_layer=sizes["layers"], n_embd=sizes["embd"], n_head=sizes["heads"], block_size=seq)
     config = ZeroConfig(**{"stage": stage, "shard_modules": ("Block",), "param_persistence_threshold": 1024, **options})

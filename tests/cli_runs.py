@@ -116,7 +116,10 @@ def metric_rows(run_dir: Path) -> list[dict[str, str]]:
 # moment, with the timeout it always had. Not selected, nothing starts; where the OS refuses the
 # priority change, they run at normal priority. The command lines, environments and folders are
 # those the fixture built before; only the start moved. Launches that a test times (test_failures.py)
-# or that depend on an earlier test's output are not started early.
+# or that depend on an earlier test's output are not started early. test_cli.py's three independent
+# launches (the presets' multirun, the quick command lines, the console script) start early too; its
+# resume reads the multirun's zero2 checkpoint, so its fixture starts it once that job has finished
+# (``adopt`` hands over the running processes for that; ``take`` waits for them all).
 
 EARLY: dict[str, tuple[str, Callable[[Path], Commands]]] = {}
 """name -> (the test module's name, a function of a fresh folder that gives the launch's commands)."""
@@ -148,7 +151,7 @@ def _set_priority(procs: dict[str, subprocess.Popen], idle: bool) -> None:
                 pass
 
 
-def _popen_logged(commands: Commands, logs: Path) -> dict[str, subprocess.Popen]:
+def popen_logged(commands: Commands, logs: Path) -> dict[str, subprocess.Popen]:
     from .distributed import free_port
 
     procs = {}
@@ -167,9 +170,33 @@ def start_early(module_names: set[str], folder_for: Callable[[str], Path]) -> No
     for name, (module, build) in EARLY.items():
         if module in module_names and name not in _early and hasattr(os, "sched_setscheduler"):
             logs, base = folder_for(f"{name}-logs"), folder_for(name)
-            procs = _popen_logged(build(base), logs)
+            procs = popen_logged(build(base), logs)
             _set_priority(procs, idle=True)
             _early[name] = (procs, logs, base)
+
+
+def adopt(name: str, folder_for: Callable[[str], Path]) -> tuple[dict[str, subprocess.Popen], Path, Path]:
+    """The early launch ``name`` (started now if it was not), back at normal priority and still
+    running: (name -> process, the folder of their output files, the folder its commands were built
+    for). The caller waits for them (``finish_logged``) and kills what still runs (``kill``)."""
+    if name in _early:
+        procs, logs, base = _early.pop(name)
+        _set_priority(procs, idle=False)
+    else:
+        logs, base = folder_for(f"{name}-logs"), folder_for(name)
+        procs = popen_logged(EARLY[name][1](base), logs)
+    return procs, logs, base
+
+
+def finish_logged(procs: dict[str, subprocess.Popen], logs: Path, start: float, timeout: float
+                  ) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
+    """``finish`` for processes that write to files in ``logs`` (``popen_logged``, ``adopt``)."""
+    done = {}
+    for key, proc in procs.items():
+        proc.wait(timeout=max(1.0, start + timeout - time.monotonic()))
+        done[key] = (subprocess.CompletedProcess(proc.args, proc.returncode, (logs / f"{key}.stdout").read_text(),
+                                                 (logs / f"{key}.stderr").read_text()), time.monotonic() - start)
+    return done
 
 
 def take(name: str, folder_for: Callable[[str], Path], timeout: float
@@ -178,24 +205,14 @@ def take(name: str, folder_for: Callable[[str], Path], timeout: float
     until ``timeout`` seconds from now. Returns (name -> (the finished process, seconds from now until
     seen finished), as ``finish`` gives; the folder its commands were built for)."""
     start = time.monotonic()
-    if name in _early:
-        procs, logs, base = _early.pop(name)
-        _set_priority(procs, idle=False)
-    else:
-        logs, base = folder_for(f"{name}-logs"), folder_for(name)
-        procs = _popen_logged(EARLY[name][1](base), logs)
+    procs, logs, base = adopt(name, folder_for)
     try:
-        done = {}
-        for key, proc in procs.items():
-            proc.wait(timeout=max(1.0, start + timeout - time.monotonic()))
-            done[key] = (subprocess.CompletedProcess(proc.args, proc.returncode, (logs / f"{key}.stdout").read_text(),
-                                                     (logs / f"{key}.stderr").read_text()), time.monotonic() - start)
-        return done, base
+        return finish_logged(procs, logs, start, timeout), base
     finally:
-        _kill(procs)
+        kill(procs)
 
 
-def _kill(procs: dict[str, subprocess.Popen]) -> None:
+def kill(procs: dict[str, subprocess.Popen]) -> None:
     for proc in procs.values():
         if proc.poll() is None:
             proc.kill()
@@ -205,4 +222,4 @@ def _kill(procs: dict[str, subprocess.Popen]) -> None:
 def end_early() -> None:
     """Kill the early launches no test took (the session ended first)."""
     while _early:
-        _kill(_early.popitem()[1][0])
+        kill(_early.popitem()[1][0])

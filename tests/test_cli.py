@@ -18,7 +18,8 @@ from zero_strategy import estimate_memory
 from zero_strategy.checkpoint import is_sharded_checkpoint
 from zero_strategy.cli.report import format_bytes
 
-from .cli_runs import assert_succeeded, clean_env, finish, metric_rows, script, started, summaries
+from .cli_runs import (EARLY, Commands, adopt, assert_succeeded, clean_env, finish_logged, kill, metric_rows,
+                       popen_logged, script, summaries)
 
 CLI_CASES = Path(__file__).parent / "scripts" / "cli_cases.py"
 SMOKE = ("experiment=smoke",)  # a 6-step one-layer GPT: every part of a run, in seconds
@@ -135,21 +136,20 @@ QUICK = {**{f"bad: {name}": ["zero-train", *overrides] for name, (overrides, _) 
 CONSOLE_CASE = "unknown key"  # also run through the console script, as the shell runs it
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """This module's command lines, at once (see ``cli_runs.started``): the presets' multirun;
-    every line of ``QUICK`` in one process (tests/scripts/cli_cases.py: each as its console script
-    would run it, a bad override in a folder of its own); ``CONSOLE_CASE`` through the real console
-    script; and, started once the multirun's zero2 job has finished (its first), a resume from that
-    job's last checkpoint to step 9, while the multirun's other jobs train. name -> (the finished
-    process, its folder)."""
-    root = tmp_path_factory.mktemp("cli")
-    folders = {name: root / name for name in ("sweep", "quick", "console", "resume")}
+LAUNCH = "cli_launches"  # the early launch's name (see [Note: launches started early] in cli_runs.py)
+FOLDERS = ("sweep", "quick", "console", "resume")
+
+
+def _commands(base: Path) -> Commands:
+    """The presets' multirun, ``QUICK``'s command lines in one process and ``CONSOLE_CASE`` through the
+    console script, each in a folder of its own under ``base`` (there too the resume's, empty: see
+    ``_resume``). Independent of each other and of any test, so they may start at collection."""
+    folders = {name: base / name for name in FOLDERS}
     for folder in folders.values():
         folder.mkdir()
     quick = [[*line, f"hydra.run.dir={folders['quick'] / name.split(': ', 1)[1] / 'run'}"] if name.startswith("bad")
              else line for name, line in QUICK.items()]
-    commands = {
+    return {
         "sweep": ([script("zero-train"), "-m", *SMOKE, "strategy=" + ",".join(PRESETS),
                    f"hydra.sweep.dir={folders['sweep'] / 'sweep'}"], clean_env(), folders["sweep"]),
         "quick": ([sys.executable, str(CLI_CASES), str(folders["quick"] / "results.json"), json.dumps(quick)],
@@ -157,19 +157,44 @@ def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
         "console": ([script("zero-train"), *BAD[CONSOLE_CASE][0], f"hydra.run.dir={folders['console'] / 'run'}"],
                     clean_env(), folders["console"]),
     }
-    zero2 = job_dir(folders["sweep"] / "sweep", "zero2")
-    resume = {"resume": ([script("zero-train"), *SMOKE, f"ckpt_path={zero2 / 'checkpoints' / 'last.ckpt'}",
-                          "trainer.max_steps=9", f"hydra.run.dir={folders['resume'] / 'r'}"], clean_env(),
-                         folders["resume"])}
+
+
+EARLY[LAUNCH] = (__name__, _commands)  # started at collection: see [Note: launches started early] in cli_runs.py
+
+
+def _zero2(base: Path) -> Path:
+    return job_dir(base / "sweep" / "sweep", "zero2")
+
+
+def _resume(base: Path) -> Commands:
+    """The resume from the sweep's zero2 job's last checkpoint to step 9: it reads that job's output,
+    so it starts only once the job has finished (``launches``), never at collection."""
+    return {"resume": ([script("zero-train"), *SMOKE, f"ckpt_path={_zero2(base) / 'checkpoints' / 'last.ckpt'}",
+                        "trainer.max_steps=9", f"hydra.run.dir={base / 'resume' / 'r'}"], clean_env(),
+                       base / "resume")}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """This module's command lines, at once (see ``_commands``; started at collection, see [Note:
+    launches started early] in cli_runs.py): the presets' multirun; every line of ``QUICK`` in one
+    process (tests/scripts/cli_cases.py: each as its console script would run it, a bad override in a
+    folder of its own); ``CONSOLE_CASE`` through the real console script; and, started once the
+    multirun's zero2 job has finished (its first), a resume from that job's last checkpoint to step 9,
+    while the multirun's other jobs train. name -> (the finished process, its folder)."""
     start = time.monotonic()
-    with started(commands) as procs:
+    procs, logs, base = adopt(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False))
+    try:
+        zero2 = _zero2(base)
         # both ranks write their summary after fit, so after the checkpoint (a failed sweep: the
         # resume fails too, and says why)
         while procs["sweep"].poll() is None and not all((zero2 / f"summary_rank{r}.json").exists() for r in (0, 1)):
             time.sleep(0.2)
-        with started(resume) as resumed:
-            done = finish({**procs, **resumed}, start, timeout=400)
-    return {name: (proc, folders[name]) for name, (proc, _) in done.items()}
+        procs.update(popen_logged(_resume(base), logs))
+        done = finish_logged(procs, logs, start, timeout=400)
+    finally:
+        kill(procs)
+    return {name: (proc, base / name) for name, (proc, _) in done.items()}
 
 
 @pytest.fixture(scope="module")
