@@ -48,8 +48,10 @@ sends its header as before, checked at once: its weights may be written to a fil
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
+import itertools
 import time
 import weakref
 from typing import Optional, Sequence
@@ -95,7 +97,8 @@ class OrderGuard:
         self.seq = 0  # gathers in the current pass
         self._previous_seq = 0  # gathers in the pass before it
         self._ticks = 0  # posts of _waiting_long: another rank sees this rank's advance while it waits
-        self._ticks_seen: dict[int, int] = {}  # the other ranks' ticks at the last read
+        self._ticks_seen: dict[int, int] = {}  # the other ranks' ticks at the last read in this wait
+        self._wait: tuple[int, float] = (0, 0.0)  # (id of the words, seconds waited) at the last slice
         self._unchecked: list[tuple[torch.Tensor, torch.Tensor]] = []  # deferred: (any difference, tags)
         self._left_out: list[tuple[int, ...]] = []  # tags of gathers sent without their header, not compared yet
         self._checks = 0  # comparisons of left-out tags passed (the same on ranks in step)
@@ -121,8 +124,7 @@ class OrderGuard:
         self.seq += 1
         words = encode(self.passes, self.seq, unit, phase, context)
         defer = None if phase == OUTSIDE else functools.partial(self._leave_out, words)
-        return Header(words, self._received, lambda waited: waited >= self.wait_s and self._waiting_long(words),
-                      defer, self._raise_differing)
+        return Header(words, self._received, lambda waited: self._waiting(words, waited), defer, self._raise_differing)
 
     # ---- headers left out: see [Note: headers left out of broadcasts] --------------------------
 
@@ -134,7 +136,7 @@ class OrderGuard:
         """The digest of the tags left out since the last comparison, a positive int64 (0: none)."""
         if not self._left_out:
             return 0
-        raw = torch.tensor(self._left_out, dtype=torch.int32).numpy().tobytes()
+        raw = array.array("q", itertools.chain.from_iterable(self._left_out)).tobytes()
         return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1 | 1
 
     def checked(self) -> None:
@@ -187,6 +189,14 @@ class OrderGuard:
             row = {r: tags[i] if i < len(tags) else None for r, tags in kept.items()}
             if len(set(row.values())) > 1:
                 self._raise_differing(row)
+
+    def _waiting(self, words: torch.Tensor, waited: float) -> None:
+        """A slice of a wait for a gather (see ``Watchdog.wait``) has passed."""
+        if id(words) != self._wait[0] or waited < self._wait[1]:
+            self._ticks_seen.clear()  # a new wait: what another rank posted before it says nothing now
+        self._wait = (id(words), waited)
+        if waited >= self.wait_s:
+            self._waiting_long(words)
 
     def _waiting_long(self, words: torch.Tensor) -> None:
         """A wait for a gather has lasted ``wait_s`` (``unit_order_wait``): the ranks' collectives may
