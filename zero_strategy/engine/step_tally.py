@@ -85,7 +85,8 @@ def raise_disagreement(steps: int, backwards: int, digest: int, key: str, scope:
             if len(posted) >= board.world_size - 1 or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-    if len({t.rsplit(",", 1)[0] for t in [mine, *posted.values()]}) == 1:  # the same work, other gathers
+    everyone = board.enabled and len(posted) >= board.world_size - 1
+    if everyone and len({t.rsplit(",", 1)[0] for t in [mine, *posted.values()]}) == 1:  # the same work, other gathers
         if explain is not None:
             explain()  # names them, from the tags each rank kept
         raise out_of_step(
@@ -94,7 +95,7 @@ def raise_disagreement(steps: int, backwards: int, digest: int, key: str, scope:
             "be read from the other ranks in time). Every rank must run the same stage-3 units in the same order, "
             "whatever its data. Nothing was updated.", scope)
     lines = [f"  rank {r}: {_describe(t)}" for r, t in sorted({board.rank: mine, **posted}.items())]
-    missing = "" if len(posted) >= board.world_size - 1 else "\n  (the other ranks did not say theirs in time)"
+    missing = "" if everyone else "\n  (the other ranks did not say theirs in time)"
     raise out_of_step(
         "the ranks reached this optimizer step after different work:\n" + "\n".join(lines) + missing + "\n"
         "Every rank must run the same number of micro-batches (backward passes) before each step and take every "
