@@ -1,10 +1,11 @@
 """The order guard's cost: stage-3 step time with its headers in the all-gathers and without.
 
     python benchmarks/bench_order_header.py [--ranks 2] [--layers 6] [--width 512] [--rounds 8]
-                                            [--steps 4] [--quantized]
+                                            [--steps 4] [--quantized] [--threads 1]
 
 Every rank trains one stack of equal blocks at stage 3 (``shard_modules=["Block"]``, fp32, AdamW,
-gloo, one thread per rank). After warm-up steps it runs ``--rounds`` rounds; each round times
+gloo, ``--threads`` threads per rank: with one, the gathers of 1 MiB or more go as broadcasts). After
+warm-up steps it runs ``--rounds`` rounds; each round times
 ``--steps`` steps with the headers on and as many with them off, the order of the two halves
 alternating from round to round, on the same model (``sharder.guard.enabled`` is the switch, for
 this benchmark only: ``check_unit_order=False`` is the user's). It prints, per rank, the ratio of
@@ -13,7 +14,8 @@ the bytes a step sends with and without the headers (``comm_stats()``), which mu
 16 (n - 1) bytes per all-gather that carries a header (see [Note: the collective header] in
 zero_strategy/engine/collective_header.py): every one below 1 MiB; the blocks' gathers of 1 MiB or
 more go as broadcasts and leave theirs out, compared by a digest in the step's all-reduce (see [Note:
-headers left out of broadcasts] in zero_strategy/engine/order_guard.py).
+headers left out of broadcasts] in zero_strategy/engine/order_guard.py). With more than one
+thread per rank every gather goes as one staged all-gather, its header inside.
 
 Timing needs a quiet machine: on a loaded host the spread across rounds says how far to trust it.
 """
@@ -47,7 +49,7 @@ class Block(nn.Module):
 
 def run(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from zero_strategy import ZeroConfig
     from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
@@ -97,7 +99,7 @@ def _gathers_per_step(args: argparse.Namespace) -> int:
     block_bytes = 4 * (2 * w + 4 * w * w + 4 * w + 4 * w * w + w)  # LayerNorm, fc, proj (fp32)
     if args.quantized:
         block_bytes = block_bytes * 65 // 256  # an int8 code per element and an fp32 scale per 256 (no padding)
-    return 1 + (0 if block_bytes >= BROADCAST_GATHER_BYTES else 2 * args.layers)
+    return 1 + (0 if block_bytes >= BROADCAST_GATHER_BYTES and args.threads == 1 else 2 * args.layers)
 
 
 def main(argv=None) -> None:
@@ -110,6 +112,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4, help="steps per half-round")
     parser.add_argument("--quantized", action="store_true", help="quantized_weights (qwZ)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank; with more than one, no gather goes by broadcasts")
     args = parser.parse_args(argv)
     import socket
 
