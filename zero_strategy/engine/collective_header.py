@@ -67,8 +67,8 @@ class Header:
     int32 tensor (n, 4), by rank) once an all-gather carrying them completed; ``waiting(seconds)``,
     called while a wait for the gather lasts (see ``Watchdog.wait``); ``defer``, where set, called
     instead of sending the words where they would need a collective of their own (see [Note: headers
-    left out of broadcasts] in order_guard.py); ``differ``, called with the words of ranks found
-    waiting in a gather at the same point for another one (global rank -> words; it raises)."""
+    left out of broadcasts] in order_guard.py); ``differ``, called with the words of ranks found at
+    the same point with other words (global rank -> words; it raises)."""
 
     __slots__ = ("words", "check", "waiting", "defer", "differ", "_left_out")
 

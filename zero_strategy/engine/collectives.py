@@ -48,19 +48,26 @@ ranks with local index l, one per node, which completes each shard. Rounding hap
 
 [Note: collectives that differ]
 Ranks in step issue the same collectives on a group in the same order, so the k-th collective a
-``Collectives`` object issued is of the same kind on every rank. When ranks part (one ran an extra
-micro-batch, or skipped a step), two collectives of different kinds meet at the same k, and both
-wait: forever, or until ``collective_timeout``. So a watched wait (gloo's: see [Note: hang
-watchdog] in watchdog.py; NCCL's are left to NCCL) that has lasted ``mismatch_wait_s`` (the engine sets it to
-``unit_order_wait``, 5 s by default) posts "k, kind, what" on the process group's store, under a
-key of this object's (its creation number in the process and its group: every rank makes its
-objects in the same order), and reads what the others posted: another rank waiting at the same k
-for another kind is a ``UnitOrderError`` naming both, on each rank that waits. Nothing is read
-before that wait, so a step costs nothing; a post at another k says nothing (a rank behind, or one
-whose post is from an earlier wait, which ended: a collective completes only once every rank issued
-one of its kind at its k, so an ended wait at k never disagrees with a later one at k). Stage-3
-gathers carry their own header besides ([Note: the collective header] in collective_header.py),
-which also tells two gathers of the same kind apart. Ranks that differ only in what they compute
+``Collectives`` object issued is of the same kind on every rank, and a stage-3 gather of the same
+unit. When ranks part (one ran an extra micro-batch, skipped a step or a unit, evaluated where the
+others trained), their collectives stop matching, and gloo either waits (two kinds that do not
+fit), or completes a pair that happens to fit (an all-to-all and an all-gather of the same bytes:
+the ranks' counts then part), or aborts (see [Note: the collective header]). So every watched
+object (gloo's: see [Note: hang watchdog] in watchdog.py; NCCL's waits are left to NCCL) keeps the
+last ``HISTORY`` collectives it issued, (k, kind, the gather's tag), and a wait that has lasted
+``mismatch_wait_s`` (the engine sets it to ``unit_order_wait``, 5 s by default) posts on the
+process group's store, under its engine's scope (every rank makes its objects in the same order),
+the histories of all the scope's groups and which collective it waits for, and reads the others':
+- the same k of the same group with another kind, or another gather's tag, in any two histories:
+  the ranks issued different collectives there. What a rank issued at k is a fact, never stale, so
+  any two posts may be compared;
+- this rank waits for collective k of a group where another rank has issued fewer, and that rank
+  waits for one that this rank has not issued: each waits for the other, for ever (that rank's
+  wait cannot have ended: it needs this rank's collective). Groups of other shapes (hybrid
+  sharding's, the secondary partition's) are included, so ranks stuck in different groups are found;
+then every waiting rank raises ``UnitOrderError``, after letting the order guard name the first
+gather that differed where it can (``explain``). Nothing is posted or read before that wait, so a
+step costs nothing but appending to the histories. Ranks that differ only in what they compute
 (stage 1 accumulates micro-batches without a collective) issue the same collectives, and nothing
 here can see it: the step's tally does ([Note: the step's tally] in step_tally.py).
 """
@@ -68,7 +75,9 @@ here can see it: the step's tally does ([Note: the step's tally] in step_tally.p
 from __future__ import annotations
 
 import functools
+import json
 import weakref
+from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -88,6 +97,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 Describe = Callable[[], str]
 """Names a collective for the watchdog's and the failures' messages: called only when needed."""
 
+
+HISTORY = 64
+"""Collectives each watched object remembers for [Note: collectives that differ]."""
 
 BROADCAST_GATHER_BYTES = 1 << 20
 """gloo all-gathers of at least this many output bytes may run as broadcasts: see [Note: all-gather on gloo]."""
@@ -160,14 +172,18 @@ class Collectives:
         self.watchdog = Watchdog(collective_timeout, dist.get_rank() if initialized else 0, self.backend, self.scope)
         self.issued = 0  # collectives issued through this object
         self.mismatch_wait_s = _parent.mismatch_wait_s if _parent is not None else 5.0  # a subgroup's: its parent's
+        self.history: deque[tuple[int, str, str]] = deque(maxlen=HISTORY)  # see [Note: collectives that differ]
         if _parent is None:
             self.nodes = NodeLayout(dist.get_world_size() if initialized else 1, ranks_per_node)
             self.counter = CommCounter()
             self._subgroups: dict[tuple, "Collectives"] = {}
             self.explainers: list[weakref.WeakMethod] = []  # see explain
+            self.namers: list[weakref.WeakMethod] = []  # an order guard's tag -> what it was for (see _named)
+            self._scope: list[Collectives] = [self]  # this object and its subgroups
         else:  # a subgroup counts into its parent's counter, on the same nodes
             self.nodes, self.counter, self._subgroups = _parent.nodes, _parent.counter, _parent._subgroups
-            self.explainers = _parent.explainers
+            self.explainers, self.namers, self._scope = _parent.explainers, _parent.namers, _parent._scope
+            self._scope.append(self)
         self.global_ranks = [self.global_rank(r) for r in range(self.world_size)]
         self.inter_node = self.nodes.spans_nodes(self.global_ranks)
         self._by_broadcasts: Optional[bool] = None  # see _gathers_by_broadcasts
@@ -181,51 +197,59 @@ class Collectives:
         waiting = header.waiting if header is not None else None
         if self.watchdog.watched:
             seq, inner = self.issued, waiting
+            self.history.append((seq, kind, ",".join(map(str, header.words.tolist())) if header is not None else ""))
 
             def waiting(waited: float) -> None:
                 if inner is not None:
                     inner(waited)
                 if waited >= self.mismatch_wait_s:
-                    self._compare_posted(seq, kind, what, header)
+                    self._compare_posted(seq, what)
         return Pending(work, then, self.watchdog, what, waiting)
 
-    def _compare_posted(self, seq: int, kind: str, what: Describe, header: Optional[Header] = None) -> None:
-        """This rank has waited long for its ``seq``-th collective: post it, and raise UnitOrderError
-        if another rank waits at the same ``seq`` for another kind, or for a gather with another
-        header (see [Note: collectives that differ])."""
+    def _compare_posted(self, seq: int, what: Describe) -> None:
+        """This rank has waited long for its ``seq``-th collective here: post where it is and what it
+        issued, read the other ranks' posts and raise UnitOrderError if they show the ranks out of
+        step (see [Note: collectives that differ])."""
         board = rank_board.board()
         if not board.enabled:
             return
         doing = what()
-        words = ",".join(map(str, header.words.tolist())) if header is not None else ""
+        mine = {c.key: list(c.history) for c in self._scope}
         try:
-            board.post(self.key, f"{seq}|{kind}|{words}|{doing}")
-            posted = board.posted(self.key)
+            board.post(f"where/{self.scope}", json.dumps({"waits": [self.key, seq, doing], "issued": mine}))
+            posted = {r: json.loads(text) for r, text in board.posted(f"where/{self.scope}").items()}
         except Exception:  # the store is gone or slow: the watchdog goes on
             return
-        differ, other_tags = {}, {}
-        for rank, text in posted.items():
-            their_seq, their_kind, their_words, their_what = text.split("|", 3)
-            if int(their_seq) != seq:
-                continue
-            if their_kind != kind:
-                differ[rank] = their_what
-            elif words and their_words and their_words != words:  # two gathers, for different units
-                other_tags[rank] = tuple(int(v) for v in their_words.split(","))
-        if other_tags and header is not None and header.differ is not None:
-            self.explain()
-            header.differ({board.rank: tuple(header.words.tolist()), **other_tags})
-        if differ:
-            self.explain()
-            lines = [f"  rank {board.rank}: {doing}"] + [f"  rank {r}: {w}" for r, w in sorted(differ.items())]
-            raise out_of_step(
-                f"the ranks issued different collectives at the same point (collective {seq} of this group):\n"
-                + "\n".join(lines) + "\n"
-                "Every rank must run the same steps, micro-batches and units in the same order: a rank that ran "
-                "an extra micro-batch (uneven data: use zero_strategy.Join, or the same number of batches on every "
-                "rank), skipped a step, or skipped a module waits for collectives the others never issue; and at stage "
-                "3 gathered_parameters and state dicts are collectives too, to enter on every rank (not under `if "
-                "rank == 0:`).", self.scope)
+        issued_here = {c.key: c.issued for c in self._scope}
+        for rank, theirs in sorted(posted.items()):
+            for key, history in theirs["issued"].items():
+                at = {k: (kind, tag) for k, kind, tag in mine.get(key, ())}
+                for k, kind, tag in history:
+                    if k in at and (at[k][0] != kind or (tag and at[k][1] and tag != at[k][1])):
+                        self.explain()
+                        raise out_of_step(
+                            f"the ranks issued different collectives at the same point (collective {k} of a group "
+                            f"of theirs):\n  rank {board.rank}: issued {self._named(*at[k])} there; now waits for "
+                            f"the {doing}\n  rank {rank}: issued {self._named(kind, tag)} there; now waits for the "
+                            f"{theirs['waits'][2]}\n" + _ADVICE, self.scope)
+            key, k, their_doing = theirs["waits"]
+            their_count = {g: (h[-1][0] if h else 0) for g, h in theirs["issued"].items()}
+            if their_count.get(self.key, seq) < seq and issued_here.get(key, k) < k:
+                self.explain()
+                raise out_of_step(
+                    f"the ranks wait for each other, each in a collective the other has not issued:\n"
+                    f"  rank {board.rank}: waits for the {doing} (collective {seq} of its group)\n"
+                    f"  rank {rank}: waits for the {their_doing} (collective {k} of its group)\n" + _ADVICE,
+                    self.scope)
+
+    def _named(self, kind: str, tag: str) -> str:
+        """A collective of a history, for a message: its kind, and for a gather what its order guard's
+        tag says it was for (the scope's first guard names it)."""
+        namers = [m() for m in self.namers if m() is not None]
+        article = "an" if kind[0] in "aeiou" else "a"
+        if not tag or not namers:
+            return f"{article} {kind}"
+        return f"{article} {kind} for {namers[0](tuple(int(v) for v in tag.split(',')))}"
 
     def explain(self) -> None:
         """The ranks are out of step: let what knows more say it first (an order guard whose gathers
@@ -498,6 +522,13 @@ class Collectives:
     def global_rank(self, rank: int) -> int:
         """The default group's number of this group's ``rank`` (what torch.distributed's ``src`` means)."""
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+_ADVICE = ("Every rank must run the same steps, micro-batches and units in the same order: a rank that ran an extra "
+           "micro-batch (uneven data: use zero_strategy.Join, or the same number of batches on every rank), skipped a "
+           "step, skipped a module or evaluated alone waits for collectives the others never issue; and at stage 3 "
+           "gathered_parameters and state dicts are collectives too, to enter on every rank (not under `if rank == "
+           "0:`).")
 
 
 class _Works:

@@ -95,10 +95,6 @@ class OrderGuard:
         self.enabled = comm.world_size > 1
         self.passes = 0  # passes begun: forward (and backward) of the whole module, or a step around it
         self.seq = 0  # gathers in the current pass
-        self._previous_seq = 0  # gathers in the pass before it
-        self._ticks = 0  # posts of _waiting_long: another rank sees this rank's advance while it waits
-        self._ticks_seen: dict[int, int] = {}  # the other ranks' ticks at the last read in this wait
-        self._wait: tuple[int, float] = (0, 0.0)  # (id of the words, seconds waited) at the last slice
         self._unchecked: list[tuple[torch.Tensor, torch.Tensor]] = []  # deferred: (any difference, tags)
         self._left_out: list[tuple[int, ...]] = []  # tags of gathers sent without their header, not compared yet
         self._checks = 0  # comparisons of left-out tags passed (the same on ranks in step)
@@ -108,13 +104,14 @@ class OrderGuard:
         self._key = f"gather/{OrderGuard.made}/{comm.global_rank(0)}+{comm.world_size}"  # tell subgroups apart
         self._members = {comm.global_rank(r) for r in range(comm.world_size)}
         comm.explainers.append(weakref.WeakMethod(self.explain_left_out))
+        comm.namers.append(weakref.WeakMethod(self.doing))
 
     made = 0  # guards made in this process: the store's posts of one guard are not another's
 
     def begin_pass(self) -> None:
         self.flush()
         self.passes += 1
-        self._previous_seq, self.seq = self.seq, 0
+        self.seq = 0
 
     def header(self, unit: int, phase: int, context: int = -1) -> Optional[Header]:
         """The header of ``unit``'s all-gathers (None when the guard is off). ``context`` is the unit
@@ -124,7 +121,8 @@ class OrderGuard:
         self.seq += 1
         words = encode(self.passes, self.seq, unit, phase, context)
         defer = None if phase == OUTSIDE else functools.partial(self._leave_out, words)
-        return Header(words, self._received, lambda waited: self._waiting(words, waited), defer, self._raise_differing)
+        return Header(words, self._received, lambda waited: waited >= self.wait_s and self._waiting_long(words),
+                      defer, self._raise_differing)
 
     # ---- headers left out: see [Note: headers left out of broadcasts] --------------------------
 
@@ -190,53 +188,25 @@ class OrderGuard:
             if len(set(row.values())) > 1:
                 self._raise_differing(row)
 
-    def _waiting(self, words: torch.Tensor, waited: float) -> None:
-        """A slice of a wait for a gather (see ``Watchdog.wait``) has passed."""
-        if id(words) != self._wait[0] or waited < self._wait[1]:
-            self._ticks_seen.clear()  # a new wait: what another rank posted before it says nothing now
-        self._wait = (id(words), waited)
-        if waited >= self.wait_s:
-            self._waiting_long(words)
-
     def _waiting_long(self, words: torch.Tensor) -> None:
         """A wait for a gather has lasted ``wait_s`` (``unit_order_wait``): the ranks' collectives may
-        differ in size or kind, so that no header arrives, or have paired across kinds and left the
-        ranks at different points. Post this gather's tag on the store (with the gathers of this
-        rank's previous pass, and a tick that advances at every post) and compare with the others':
-        - a rank at the same gather of the same pass with another tag: an UnitOrderError;
-        - a rank waiting now (its tick advanced since the last read) for a gather of a pass two or
-          more after or before this one's, or of the next pass after a pass too short to hold this
-          gather (or the reverse): it will never issue this gather, nor this rank its. The same error;
-        - else (a match, nothing yet, a rank behind that may still come) the wait goes on.
-        """
+        differ in size or kind, so that no header arrives. Post this gather's tag on the store and
+        compare it with the ones the others posted for the same gather number, whatever group theirs
+        went over (the secondary partition's, say): a difference is an UnitOrderError, a match or
+        nothing yet goes on waiting (see [Note: order guard]; the collectives' own histories are
+        compared too: [Note: collectives that differ] in collectives.py)."""
         board = rank_board.board()
         if not board.enabled:
             return
         mine = words.tolist()
-        self._ticks += 1
         try:
-            board.post(self._key, f"{','.join(map(str, mine))}|{self._previous_seq}|{self._ticks}")
-            posted = board.posted(self._key)
+            board.post(self._key, ",".join(map(str, mine)))
+            posted = {r: [int(v) for v in text.split(",")] for r, text in board.posted(self._key).items()}
         except Exception:  # the store is gone or slow: the watchdog goes on
             return
-        differ = {}
-        for rank, text in posted.items():
-            if rank not in self._members:
-                continue
-            tag, previous_seq, tick = text.split("|")
-            theirs = [int(v) for v in tag.split(",")]
-            waiting_now = self._ticks_seen.get(rank, int(tick)) != int(tick)
-            self._ticks_seen[rank] = int(tick)
-            (passes, seq), (their_passes, their_seq) = mine[:2], theirs[:2]
-            if (passes, seq) == (their_passes, their_seq):
-                if theirs != mine:
-                    differ[rank] = tuple(theirs)
-            elif waiting_now and (abs(their_passes - passes) >= 2
-                                  or (their_passes == passes + 1 and int(previous_seq) < seq)
-                                  or (their_passes == passes - 1 and self._previous_seq < their_seq)):
-                differ[rank] = tuple(theirs)
-        if differ:
-            self._raise_differing({board.rank: tuple(mine), **differ})
+        same_point = {r: t for r, t in posted.items() if r in self._members and t[:2] == mine[:2]}
+        if any(t != mine for t in same_point.values()):
+            self._raise_differing({board.rank: tuple(mine), **{r: tuple(t) for r, t in same_point.items()}})
 
     def _received(self, tags: torch.Tensor) -> None:
         """Every rank's tag of one all-gather, (ranks, 4) int32, once it completed."""
@@ -259,17 +229,17 @@ class OrderGuard:
         ranks = ranks or [self.comm.global_rank(r) for r in range(len(tags))]  # global ranks, as the store's
         self._raise_differing(dict(zip(ranks, map(tuple, tags.tolist()))))
 
+    def doing(self, words: tuple[int, ...]) -> str:
+        """What a gather's tag says its rank was doing."""
+        passes, seq, unit, phase, context = decode(torch.tensor([words], dtype=torch.int32))[0]
+        doing = _DOING[phase].format(unit=self._name(unit), context=self._name(context)) \
+            if 0 <= phase < len(_DOING) else f"phase {phase} of {self._name(unit)}"
+        return f"{doing} (pass {passes}, gather {seq} in it)"
+
     def _raise_differing(self, tags: dict[int, Optional[tuple[int, ...]]]) -> None:
         """UnitOrderError naming each rank's tag (global rank -> its words; None: it gathered nothing more)."""
-        lines = []
-        for rank in sorted(tags):
-            if tags[rank] is None:
-                lines.append(f"  rank {rank}: no further gather (it went on to other work)")
-                continue
-            passes, seq, unit, phase, context = decode(torch.tensor([tags[rank]], dtype=torch.int32))[0]
-            doing = _DOING[phase].format(unit=self._name(unit), context=self._name(context)) \
-                if 0 <= phase < len(_DOING) else f"phase {phase} of {self._name(unit)}"
-            lines.append(f"  rank {rank}: {doing} (pass {passes}, gather {seq} in it)")
+        lines = [f"  rank {rank}: " + (self.doing(tags[rank]) if tags[rank] is not None
+                                       else "no further gather (it went on to other work)") for rank in sorted(tags)]
         board = rank_board.board()
         cause = board.divergence()
         if cause is not None:
