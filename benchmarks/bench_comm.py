@@ -104,7 +104,7 @@ def predicted_step(args: argparse.Namespace, name: str, order_checked: bool) -> 
     with torch.device("meta"):
         model = ResidualMLP(width, args.layers)
     return predict_step_bytes(model, _step_config(OPTIONS[name], args.bucket_cap_mb), WORLD, PER_NODE,
-                              order_checked=order_checked)
+                              order_checked=order_checked, backend="gloo")
 
 
 # ---- part "gpt": convergence on the standard library --------------------------------------------

@@ -14,7 +14,7 @@ the bytes a step sends with and without the headers (``comm_stats()``), which mu
 16 (n - 1) bytes per all-gather that carries a header (see [Note: the collective header] in
 zero_strategy/engine/collective_header.py): every one below 1 MiB; the blocks' gathers of 1 MiB or
 more go as broadcasts and leave theirs out, compared by a digest in the step's all-reduce (see [Note:
-headers left out of broadcasts] in zero_strategy/engine/order_guard.py). With more than one
+headers left out on gloo] in zero_strategy/engine/order_guard.py). With more than one
 thread per rank every gather goes as one staged all-gather, its header inside.
 
 Timing needs a quiet machine: on a loaded host the spread across rounds says how far to trust it.

@@ -233,13 +233,15 @@ def test_accumulating_equals_ddp_and_the_boundary_all_reduces_once_per_step(runs
         _close(runs[rank][name]["params"], runs[rank]["ddp-accumulating"], 1e-5)
     with torch.device("meta"):
         model = BlockNet()
-    want = predict_step_bytes(model, block_net_config(stage, **options), WORLD, PER_NODE, accumulation_steps=ACCUM)
+    want = predict_step_bytes(model, block_net_config(stage, **options), WORLD, PER_NODE, accumulation_steps=ACCUM,
+                              backend="gloo")
     for rank in range(WORLD):  # (all deferred: the step all-reduces each shard once instead)
         assert runs[rank][name]["stats"] == want, f"rank {rank}"
     # what crosses nodes: each gradient shard's all-reduce across the replicas, and once per step the
     # all-reduce of which parameters got gradients, with the step's tally
     mask = sent_bytes("all_reduce", len(list(model.parameters())) + TALLY_BYTES, WORLD)
-    once = predict_step_bytes(model, block_net_config(stage, shard_group_size=2), WORLD, PER_NODE)  # one micro-batch
+    once = predict_step_bytes(model, block_net_config(stage, shard_group_size=2), WORLD, PER_NODE,  # one micro-batch
+                              backend="gloo")
     replica_sums = ACCUM if options.get("replica_all_reduce") == "every_backward" else 1
     assert want["inter_node"] - mask == replica_sums * (once["inter_node"] - mask) > 0
 
@@ -276,7 +278,8 @@ def test_comm_stats_equal_the_prediction_and_only_all_reduces_cross_nodes(runs, 
     stage, options, clip = CASES[name]
     with torch.device("meta"):
         model = BlockNet()
-    want = predict_step_bytes(model, block_net_config(stage, **options), WORLD, PER_NODE, clipping=clip)
+    want = predict_step_bytes(model, block_net_config(stage, **options), WORLD, PER_NODE, clipping=clip,
+                              backend="gloo")
     for rank in range(WORLD):
         assert runs[rank][name]["stats"] == want, f"rank {rank}"
     if options["shard_group_size"] == 1:

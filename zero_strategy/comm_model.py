@@ -9,8 +9,8 @@ the meta device) and lists the collectives of one training step:
   ``quantized_weights``); backward: each unit's again (from the secondary partition, within its
   group, with ``secondary_partition_size``); with the order guard on, each of these all-gathers
   carries 16 bytes of header per rank of its group (see [Note: the collective header] in
-  engine/collective_header.py), except those that go by broadcasts on gloo
-  (``gathers_by_broadcasts``: see [Note: headers left out of broadcasts] in engine/order_guard.py);
+  engine/collective_header.py), except on gloo (``backend="gloo"``), where they send none (see
+  [Note: headers left out on gloo] in engine/order_guard.py);
 - every stage: one reduce-scatter per gradient segment (stages 2-3 in backward, per micro-batch;
   stage 1 once, before the step), quantized with ``quantized_gradients``;
 - the step: one all-reduce of a byte per trainable parameter (which got a gradient), one of the
@@ -43,7 +43,6 @@ from torch import nn
 
 from .config import ZeroConfig
 from .engine.collective_header import HEADER_BYTES
-from .engine.collectives import BROADCAST_GATHER_BYTES
 from .engine.comm_volume import CommCounter, NodeLayout, sent_bytes
 from .engine.flat import _ONE_SEGMENT
 from .engine.hybrid import resolve_shard_group_size
@@ -110,10 +109,9 @@ class _Step:
     sharding, whose shards are then all-reduced over ``world_size / shards`` replicas (see [Note:
     hybrid sharding] in engine/hybrid.py); intra- or inter-node is rank 0's groups'."""
 
-    def __init__(self, nodes: NodeLayout, shards: int, by_broadcasts: bool = False) -> None:
+    def __init__(self, nodes: NodeLayout, shards: int) -> None:
         self.nodes = nodes
         self.shards = shards
-        self.by_broadcasts = by_broadcasts  # large all-gathers go as broadcasts, without their headers
         self.world_inter = nodes.num_nodes > 1
         self.shard_inter = nodes.spans_nodes(list(range(shards)))
         self.replica_inter = nodes.spans_nodes(list(range(0, nodes.world_size, shards)))
@@ -133,8 +131,7 @@ class _Step:
         for seg in group.layout.segments:
             out = self.shards * packed_row_bytes(seg.shard_numel, quantize) if quantize \
                 else seg.numel * group.element_size
-            left_out = self.by_broadcasts and out >= BROADCAST_GATHER_BYTES  # see [Note: headers left out of ...]
-            out += over * HEADER_BYTES if header and not left_out else 0
+            out += over * HEADER_BYTES if header else 0
             self.add("all_gather", "all_gather", out, over, inter_node)
 
     def reduce(self, group: _Group, quantize: Optional[QuantSpec], sum_replicas: bool = True) -> None:
@@ -177,17 +174,16 @@ def _groups(params: Sequence[nn.Parameter], config: ZeroConfig, world_size: int,
 def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, ranks_per_node: Optional[int] = None,
                        dtype: Optional[torch.dtype] = None, loss_scaling: bool = False,
                        clipping: bool = False, accumulation_steps: int = 1, order_checked: bool = True,
-                       by_phase: bool = False, gathers_by_broadcasts: bool = False,
-                       ) -> dict[str, int] | dict[str, dict[str, int]]:
+                       by_phase: bool = False, backend: str = "nccl") -> dict[str, int] | dict[str, dict[str, int]]:
     """The bytes one rank sends in one training step of ``module`` under ``config`` (see [Note: the
     communication model]): the keys of ``comm_stats()``. ``dtype`` is the working weights' (default:
     the parameters' own); ``loss_scaling``
     (fp16) and ``clipping`` add their small all-reduces; ``order_checked``: the order guard's headers
     ride in the stage-3 all-gathers (see [Note: order guard] in engine/order_guard.py; False: as
     with the guard turned off). With ``by_phase`` the same, per phase
-    ("forward", "backward", "step"). ``gathers_by_broadcasts``: gloo with one thread per rank, where
-    all-gathers of at least 1 MiB go as broadcasts (see [Note: all-gather on gloo] in
-    engine/collectives.py) and leave their headers out. ``module`` may be on the meta device.
+    ("forward", "backward", "step"). ``backend``: the process group's; on "gloo" the stage-3
+    all-gathers send no header (see [Note: headers left out on gloo] in engine/order_guard.py).
+    ``module`` may be on the meta device.
     """
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps={accumulation_steps!r} must be a positive integer")
@@ -195,7 +191,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     shards = resolve_shard_group_size(config.shard_group_size, world_size, nodes.ranks_per_node) or world_size
     element_size = torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
     params = list(dict.fromkeys(module.parameters()))
-    step = _Step(nodes, shards, gathers_by_broadcasts)
+    step = _Step(nodes, shards)
     grads_q, weights_q = config.gradient_quantization, config.weight_quantization
     if config.stage == 3:
         first = element_size or params[0].element_size()
@@ -207,7 +203,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     else:
         units, root = [], []
         resident = _groups([p for p in params if p.requires_grad], config, shards, element_size, False)
-    guard = config.stage == 3 and config.check_unit_order and order_checked and shards > 1
+    guard = config.stage == 3 and config.check_unit_order and order_checked and shards > 1 and backend != "gloo"
     secondary = config.secondary_partition_size
     secondary_inter = secondary is not None and nodes.spans_nodes(list(range(secondary)))
     trainable = [g for g in [*(g for u in units for g in u), *root, *resident] if g.trainable]

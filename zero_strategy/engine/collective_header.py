@@ -13,17 +13,16 @@ a quantized gather sends them beside its packed rows, unquantized. The header mu
 another gather's chunk: gloo ends the process when two ranks' collectives of one kind differ in
 size, with no message of ours, where two of different kinds merely wait (and the store comparison of
 [Note: order guard] tells). So on NCCL the chunk and the header go in one coalesced group of two
-all-gathers. On gloo, where a gather goes by broadcasts ([Note: all-gather on gloo] in
-collectives.py: large, one thread per rank), a header of a pass does not travel at all: no
-broadcast of a chunk can carry it, and a small all-gather of its own beside them cost 2-9% of a
-step; the guard checks its words later, all of a step's together, inside a collective the step
-already makes (see [Note: headers left out of broadcasts] in order_guard.py). A gather outside the
-passes (a state dict, gathered_parameters) sends its header there in an all-gather issued just
-before the broadcasts, a collective of another kind than theirs, checked before they are waited for.
-Otherwise it is one all-gather of each rank's chunk and header side by
-side, into a buffer of its own from which the chunks are copied out once the header is checked: that
-buffer while the gather lasts, and one copy of the unit. gloo's coalesced all-gather, which carried
-both in one collective before, corrupts the heap now and then while gloo's two worker threads run
+all-gathers. On gloo a gather in a pass sends no header at all: the guard keeps the words and
+compares them later, in bulk, inside a collective the step already makes (see [Note: headers left
+out on gloo] in order_guard.py), since on gloo a header would need either a collective of its own
+(beside a large gather's broadcasts: [Note: all-gather on gloo] in collectives.py) or a staged copy
+of every chunk. A gather outside the passes (a state dict, gathered_parameters) still sends it: in
+an all-gather issued just before the broadcasts, a collective of another kind than theirs, checked
+before they are waited for; otherwise in one all-gather of each rank's chunk and header side by
+side, into a buffer of its own from which the chunks are copied out once the header is checked:
+that buffer while the gather lasts, and one copy of the unit. gloo's coalesced all-gather, which
+carried both in one collective before, corrupts the heap now and then while gloo's two worker threads run
 collectives at once (torch 2.13: ``malloc(): unaligned tcache chunk detected`` in a gloo thread, in
 about one run in three of test_fabric.py on a loaded 2-core host and twice in at most 90 repeated
 bf16 stage-3 Fabric runs; none in 120 such runs, or 8 of test_fabric.py, without it; see also
@@ -32,7 +31,7 @@ collective ahead of the others paired its chunk with their header, and gloo ende
 Every rank receives every rank's header and compares them when the gather is waited for, before
 anything reads the gathered weights (see [Note: order guard] in order_guard.py). Cost: 16 bytes per
 rank in each all-gather's output, so 16 (n - 1) bytes more sent per rank per all-gather: 16,368
-bytes at 1,024 ranks (none in a pass's gathers by broadcasts, 16 more in the step's all-reduce),
+bytes at 1,024 ranks (none in a pass's gathers on gloo, 16 more in the step's all-reduce),
 counted by ``comm_stats()`` and predicted by the communication model (comm_model.py).
 """
 
@@ -49,9 +48,10 @@ HEADER_BYTES = WORDS * 4
 _PHASE_BITS = 4  # phases of order_guard.PHASES: fewer than 16
 
 
-def encode(passes: int, seq: int, unit: int, phase: int, context: int) -> torch.Tensor:
-    """The four int32 words of a gather's header."""
-    return torch.tensor([passes, seq, (unit << _PHASE_BITS) | phase, context], dtype=torch.int32)
+def encode(passes: int, seq: int, unit: int, phase: int, context: int) -> tuple[int, int, int, int]:
+    """The four int32 words of a gather's header (a tuple: most never become a tensor, see [Note:
+    headers left out on gloo] in order_guard.py)."""
+    return passes, seq, (unit << _PHASE_BITS) | phase, context
 
 
 def decode(words: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
@@ -67,12 +67,12 @@ class Header:
     int32 tensor (n, 4), by rank) once an all-gather carrying them completed; ``waiting(seconds)``,
     called while a wait for the gather lasts (see ``Watchdog.wait``); ``defer``, where set, called
     instead of sending the words where they would need a collective of their own (see [Note: headers
-    left out of broadcasts] in order_guard.py); ``differ``, called with the words of ranks found at
+    left out on gloo] in order_guard.py); ``differ``, called with the words of ranks found at
     the same point with other words (global rank -> words; it raises)."""
 
     __slots__ = ("words", "check", "waiting", "defer", "differ", "_left_out")
 
-    def __init__(self, words: torch.Tensor, check: Callable[[torch.Tensor], None],
+    def __init__(self, words: tuple[int, ...], check: Callable[[torch.Tensor], None],
                  waiting: Optional[Callable[[float], None]] = None,
                  defer: Optional[Callable[[], None]] = None,
                  differ: Optional[Callable[[dict[int, tuple[int, ...]]], None]] = None) -> None:
@@ -92,7 +92,7 @@ class Header:
 
     def send_as(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The words' raw bits as a 1-d tensor of ``dtype``."""
-        return self.words.to(device, non_blocking=True).view(torch.uint8).view(dtype)
+        return torch.tensor(self.words, dtype=torch.int32).to(device, non_blocking=True).view(torch.uint8).view(dtype)
 
     @staticmethod
     def receive_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -172,7 +172,7 @@ class Collectives:
         self.watchdog = Watchdog(collective_timeout, dist.get_rank() if initialized else 0, self.backend, self.scope)
         self.issued = 0  # collectives issued through this object
         self.mismatch_wait_s = _parent.mismatch_wait_s if _parent is not None else 5.0  # a subgroup's: its parent's
-        self.history: deque[tuple[int, str, str]] = deque(maxlen=HISTORY)  # see [Note: collectives that differ]
+        self.history: deque[tuple[int, str, tuple]] = deque(maxlen=HISTORY)  # see [Note: collectives that differ]
         if _parent is None:
             self.nodes = NodeLayout(dist.get_world_size() if initialized else 1, ranks_per_node)
             self.counter = CommCounter()
@@ -197,7 +197,7 @@ class Collectives:
         waiting = header.waiting if header is not None else None
         if self.watchdog.watched:
             seq, inner = self.issued, waiting
-            self.history.append((seq, kind, ",".join(map(str, header.words.tolist())) if header is not None else ""))
+            self.history.append((seq, kind, header.words if header is not None else ()))
 
             def waiting(waited: float) -> None:
                 if inner is not None:
@@ -223,10 +223,11 @@ class Collectives:
         issued_here = {c.key: c.issued for c in self._scope}
         for rank, theirs in sorted(posted.items()):
             for key, history in theirs["issued"].items():
-                at = {k: (kind, tag) for k, kind, tag in mine.get(key, ())}
+                at = {k: (kind, tuple(tag)) for k, kind, tag in mine.get(key, ())}
                 for k, kind, tag in history:
+                    tag = tuple(tag)
                     if k in at and (at[k][0] != kind or (tag and at[k][1] and tag != at[k][1])):
-                        self.explain()
+                        self.explain(lengths_too=False)  # a rank that went on to other work: named below
                         raise out_of_step(
                             f"the ranks issued different collectives at the same point (collective {k} of a group "
                             f"of theirs):\n  rank {board.rank}: issued {self._named(*at[k])} there; now waits for "
@@ -235,30 +236,31 @@ class Collectives:
             key, k, their_doing = theirs["waits"]
             their_count = {g: (h[-1][0] if h else 0) for g, h in theirs["issued"].items()}
             if their_count.get(self.key, seq) < seq and issued_here.get(key, k) < k:
-                self.explain()
+                self.explain(lengths_too=False)
                 raise out_of_step(
                     f"the ranks wait for each other, each in a collective the other has not issued:\n"
                     f"  rank {board.rank}: waits for the {doing} (collective {seq} of its group)\n"
                     f"  rank {rank}: waits for the {their_doing} (collective {k} of its group)\n" + _ADVICE,
                     self.scope)
 
-    def _named(self, kind: str, tag: str) -> str:
+    def _named(self, kind: str, tag: tuple[int, ...]) -> str:
         """A collective of a history, for a message: its kind, and for a gather what its order guard's
         tag says it was for (the scope's first guard names it)."""
         namers = [m() for m in self.namers if m() is not None]
         article = "an" if kind[0] in "aeiou" else "a"
         if not tag or not namers:
             return f"{article} {kind}"
-        return f"{article} {kind} for {namers[0](tuple(int(v) for v in tag.split(',')))}"
+        return f"{article} {kind} for {namers[0](tag)}"
 
-    def explain(self) -> None:
+    def explain(self, lengths_too: bool = True) -> None:
         """The ranks are out of step: let what knows more say it first (an order guard whose gathers
         went without their headers raises the UnitOrderError of the first that differed: see [Note:
-        headers left out of broadcasts] in order_guard.py); returns if none does."""
+        headers left out on gloo] in order_guard.py; without ``lengths_too`` only where two ranks'
+        gathers differ, not where one rank's end); returns if none does."""
         for method in list(self.explainers):
             explain = method()
             if explain is not None:
-                explain()
+                explain(lengths_too)
 
     def _count(self, kind: str, algorithm: str, nbytes: int) -> None:
         self.counter.add(kind, sent_bytes(algorithm, nbytes, self.world_size), self.inter_node)
@@ -363,30 +365,29 @@ class Collectives:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: Describe = _unnamed,
                    header: Optional[Header] = None) -> Pending:
         """Concatenate every rank's ``input`` into ``output``; ``input`` may alias its own chunk.
-        ``header``: sent with it, checked once waited (see [Note: the collective header])."""
+        ``header``: sent with it, checked once waited (see [Note: the collective header]); on gloo
+        left out where it may be (see [Note: headers left out on gloo] in order_guard.py)."""
         if self.world_size == 1:
             return Pending(then=lambda: _copy_unless_same(output, input))
         if header is not None:
-            return self._all_gather_with_header(output, input, what, header)
+            if header.defer is None or self.backend != "gloo":
+                return self._all_gather_with_header(output, input, what, header)
+            header.leave_out()  # its tag still goes in the history and the posts of a long wait
         nbytes = output.numel() * output.element_size()
         self._count("all_gather", "all_gather", nbytes)
         if self._by_broadcasts_at(nbytes):
-            return self._gather_by_broadcasts(output, input, what)
+            return self._gather_by_broadcasts(output, input, what, header)
         return self._pending(_all_gather_single(output, input, group=self.group, async_op=True), None, what,
-                             "all-gather")
+                             "all-gather", header)
 
     def _all_gather_with_header(self, output: torch.Tensor, input: torch.Tensor, what: Describe,
                                 header: Header) -> Pending:
         """Every rank's ``input`` and header (see [Note: the collective header]): on NCCL one
-        coalesced group of two all-gathers; on gloo, where a gather goes by broadcasts ([Note:
-        all-gather on gloo]), the chunks' broadcasts alone with a header that can be left out,
-        else the header's all-gather and the broadcasts; otherwise one all-gather of each rank's
-        chunk and header side by side, the chunks copied out once the header is checked."""
+        coalesced group of two all-gathers; on gloo the header's all-gather and the chunks'
+        broadcasts where a gather goes by broadcasts ([Note: all-gather on gloo]), else one
+        all-gather of each rank's chunk and header side by side, the chunks copied out once the
+        header is checked."""
         n, nbytes = self.world_size, output.numel() * output.element_size()
-        if self._by_broadcasts_at(nbytes) and header.defer is not None:
-            self._count("all_gather", "all_gather", nbytes)
-            header.leave_out()
-            return self._gather_by_broadcasts(output, input, what, header)
         self._count("all_gather", "all_gather", nbytes + n * HEADER_BYTES)
         if self._by_broadcasts_at(nbytes):
             received = header.receive_buffer(n, torch.int32, input.device)

@@ -12,9 +12,10 @@ is an ``UnitOrderError`` on every rank (all of them received the same tags), nam
 was doing. The header costs no collective of its own, so every pass is checked, and outside passes
 too (state dicts, gathered_parameters). (The guard used to issue an all-gather of its own per unit
 gather, 3-6% of a step, and so checked only one pass in ``check_unit_order_every`` after the first
-ten; that setting is now accepted and ignored, with a warning.) On the host (gloo) the tags are
-compared at once, except those of gathers that go as broadcasts, which carry no header and are
-compared at the step (see [Note: headers left out of broadcasts] below). On CUDA they are compared at the end of each pass (``flush``), which already
+ten; that setting is now accepted and ignored, with a warning.) On the host (gloo) a pass's
+gathers carry no header at all, and their tags are compared in bulk at the step (see [Note: headers
+left out on gloo] below); a gather outside the passes compares them at once. On CUDA they are
+compared at the end of each pass (``flush``), which already
 waits for the device, so the check never stalls the stream; there a divergence is named at the end
 of its pass, before the optimizer step, and one that makes NCCL hang before that is left to
 NCCL's own timeout. The tags are those of the gathers this rank issues: prefetches included, which
@@ -26,13 +27,15 @@ ranks posted (see [Note: the rank board] in rank_board.py). A rank that has join
 join.py) replays a forward and backward of its own on the others' cue, so its tags are those of a
 rank in step and the guard accepts it; the board notes it as joined, for messages.
 
-[Note: headers left out of broadcasts]
-A large gather on gloo goes as one broadcast per rank, straight into the gathered buffer ([Note:
-all-gather on gloo] in collectives.py), and no broadcast can carry a header beside its chunk without
-copying it; a small all-gather of the headers beside the broadcasts cost 2-9% of a step (RESULTS.md,
-issue 34). So in a pass such a gather sends no header: the guard keeps its tag, and compares the
-tags kept on every rank later, in bulk, by a digest (64 bits of BLAKE2b over them; ranks in step
-keep the same tags, so their digests are equal, and different tags collide with chance 2^-63):
+[Note: headers left out on gloo]
+On gloo a header costs more than its bytes: a large gather goes as one broadcast per rank straight
+into the gathered buffer ([Note: all-gather on gloo] in collectives.py), which no header can join
+(its own small all-gather beside them cost 2-9% of a step), and any other gather would have to stage
+every rank's chunk beside its header and copy the chunks out (1.23-1.28x a step with 8 MiB blocks at
+two threads per rank; RESULTS.md, issue 34). So on gloo a gather in a pass sends no header: the
+guard keeps its tag and compares the tags kept on every rank later, in bulk, by a digest (64 bits
+of BLAKE2b over them; ranks in step keep the same tags, so their digests are equal, and different
+tags collide with chance 2^-63):
 - at the optimizer step, in the tally of the step's all-reduce (see [Note: the step's tally] in
   step_tally.py), which every step makes anyway: no collective more, 16 bytes more in it;
 - at the end of a pass that no backward ended (evaluation, generation), or of any pass once more
@@ -42,8 +45,11 @@ store and raises the UnitOrderError of the first gather that differed, before th
 anything. Mixed weights may have been computed with in the meantime (forward, backward, the
 gradients' reduce-scatters), never stepped with. Ranks that part by a gather's *count* meet
 collectives of different kinds first; there too the kept tags are compared before the kinds are
-named (``Collectives.explain``). A gather outside the passes (a state dict, gathered_parameters)
-sends its header as before, checked at once: its weights may be written to a file right after.
+named (``Collectives.explain``); the tags also go in the groups' histories that a long wait
+compares ([Note: collectives that differ] in collectives.py). A gather outside the passes (a state
+dict, gathered_parameters) sends its header, checked at once: its weights may be written to a file
+right after. NCCL sends every header (one coalesced group, no copy), and so does gloo where the
+guard is switched to compare at the end of each pass as on CUDA (``deferred``, a test's switch).
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ _DOING = (  # what a rank was doing when it gathered ``unit``; ``context`` is th
 
 LEFT_OUT_MAX = 4096
 """Tags of gathers without their header kept at most until a pass's end compares them (see [Note:
-headers left out of broadcasts])."""
+headers left out on gloo])."""
 
 
 class OrderGuard:
@@ -120,14 +126,14 @@ class OrderGuard:
             return None
         self.seq += 1
         words = encode(self.passes, self.seq, unit, phase, context)
-        defer = None if phase == OUTSIDE else functools.partial(self._leave_out, words)
+        defer = None if phase == OUTSIDE or self.deferred else functools.partial(self._leave_out, words)
         return Header(words, self._received, lambda waited: waited >= self.wait_s and self._waiting_long(words),
                       defer, self._raise_differing)
 
-    # ---- headers left out: see [Note: headers left out of broadcasts] --------------------------
+    # ---- headers left out: see [Note: headers left out on gloo] --------------------------
 
-    def _leave_out(self, words: torch.Tensor) -> None:
-        self._left_out.append(tuple(words.tolist()))
+    def _leave_out(self, words: tuple[int, ...]) -> None:
+        self._left_out.append(words)
         self.leaves_out = True
 
     def digest(self) -> int:
@@ -161,11 +167,11 @@ class OrderGuard:
                     self.comm.scope)
             self.checked()
 
-    def explain_left_out(self) -> None:
+    def explain_left_out(self, lengths_too: bool = True) -> None:
         """The ranks are out of step: post the tags left out since the last comparison, read the other
-        ranks' (for at most NAME_WAIT_S) and raise UnitOrderError at the first gather that differed.
-        Returns when no gather here went without its header, when the tags could not be read, or
-        when they agree."""
+        ranks' (for at most NAME_WAIT_S) and raise UnitOrderError at the first gather that differed
+        (with ``lengths_too``, also where one rank's tags end and another's go on). Returns when no
+        gather here went without its header, when the tags could not be read, or when they agree."""
         board = rank_board.board()
         if not (self.leaves_out and board.enabled):
             return
@@ -174,9 +180,9 @@ class OrderGuard:
         try:
             board.post(key, ";".join(",".join(map(str, tag)) for tag in mine))
             deadline = time.monotonic() + NAME_WAIT_S
-            while True:
-                posted = {r: text for r, text in board.posted(key).items() if r in self._members}
-                if len(posted) >= len(self._members) - 1 or time.monotonic() > deadline:
+            while True:  # every rank's: ranks in step keep the same tags, whatever their groups (hybrid sharding)
+                posted = board.posted(key)
+                if len(posted) >= board.world_size - 1 or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
         except Exception:  # the store is gone or slow: the caller says what it knows
@@ -185,10 +191,10 @@ class OrderGuard:
                                      for r, text in posted.items()}}
         for i in range(max(len(tags) for tags in kept.values())):
             row = {r: tags[i] if i < len(tags) else None for r, tags in kept.items()}
-            if len(set(row.values())) > 1:
+            if len(set(row.values()) - {None}) > 1 or (lengths_too and len(set(row.values())) > 1):
                 self._raise_differing(row)
 
-    def _waiting_long(self, words: torch.Tensor) -> None:
+    def _waiting_long(self, words: tuple[int, ...]) -> None:
         """A wait for a gather has lasted ``wait_s`` (``unit_order_wait``): the ranks' collectives may
         differ in size or kind, so that no header arrives. Post this gather's tag on the store and
         compare it with the ones the others posted for the same gather number, whatever group theirs
@@ -198,7 +204,7 @@ class OrderGuard:
         board = rank_board.board()
         if not board.enabled:
             return
-        mine = words.tolist()
+        mine = list(words)
         try:
             board.post(self._key, ",".join(map(str, mine)))
             posted = {r: [int(v) for v in text.split(",")] for r, text in board.posted(self._key).items()}
@@ -206,6 +212,7 @@ class OrderGuard:
             return
         same_point = {r: t for r, t in posted.items() if r in self._members and t[:2] == mine[:2]}
         if any(t != mine for t in same_point.values()):
+            self.explain_left_out(lengths_too=False)  # an earlier gather may have differed already
             self._raise_differing({board.rank: tuple(mine), **{r: tuple(t) for r, t in same_point.items()}})
 
     def _received(self, tags: torch.Tensor) -> None:

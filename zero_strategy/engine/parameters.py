@@ -430,7 +430,7 @@ class FlatParameters:
     def backward_finished(self) -> None:
         for unit in self.all_units:
             unit.backward_ended()
-        self._backward_ended = True  # a step follows: see [Note: headers left out of broadcasts]
+        self._backward_ended = True  # a step follows: see [Note: headers left out on gloo]
         self.release_root()  # ends the pass
 
     def held_tensors(self) -> list[torch.Tensor]:

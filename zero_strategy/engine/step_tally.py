@@ -9,7 +9,7 @@ it); the step then averages gradients of different micro-batches, silently. So e
 all-reduce of which parameters got a gradient (one per step, over every rank, before any update)
 carries a *tally*: the steps this rank's optimizer began and the backward passes its gradient hooks
 saw, both since the engine was made, and at stage 3 a digest of the gathers whose headers were left
-out since the last check (see [Note: headers left out of broadcasts] in order_guard.py; 0 for
+out since the last check (see [Note: headers left out on gloo] in order_guard.py; 0 for
 none). Ranks in step agree on all three (a joined rank, see join.py, replays the others' passes and
 steps, so it agrees too).
 
