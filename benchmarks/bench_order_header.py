@@ -10,10 +10,10 @@ warm-up steps it runs ``--rounds`` rounds; each round times
 alternating from round to round, on the same model (``sharder.guard.enabled`` is the switch, for
 this benchmark only: ``check_unit_order=False`` is the user's). It prints, per rank, the ratio of
 the median step times (on / off) of each round, their median and their spread (min and max), and
-the bytes a step sends with and without the headers (``comm_stats()``): the same, since on gloo a
-pass's gathers send no header; the guard keeps their tags and compares them by a digest in the
-step's all-reduce, which carries it with the guard on or off (see [Note: headers left out on gloo]
-in zero_strategy/engine/order_guard.py).
+the bytes a step sends with and without the headers (``comm_stats()``): 16 (n - 1) more per
+all-gather under 1 MiB (the head's); on gloo a pass's gathers of 1 MiB or more send none, the guard
+keeping their tags and comparing them by a digest in the step's all-reduce, which carries it with
+the guard on or off (see [Note: headers left out on gloo] in zero_strategy/engine/order_guard.py).
 
 Timing needs a quiet machine: on a loaded host the spread across rounds says how far to trust it.
 """
@@ -120,7 +120,8 @@ def main(argv=None) -> None:
               + f"; median {statistics.median(ratios):.3f}, spread {min(ratios):.3f}-{max(ratios):.3f}")
         extra = r["stats"]["on"]["all_gather"] - r["stats"]["off"]["all_gather"]
         print(f"rank {rank}: all-gather bytes a step sends: {r['stats']['off']['all_gather']} without, "
-              f"{r['stats']['on']['all_gather']} with (+{extra}: on gloo a pass's gathers send no header)")
+              f"{r['stats']['on']['all_gather']} with (+{extra}: 16 (n - 1) per gather under 1 MiB; on gloo the "
+              "larger send none)")
 
 
 if __name__ == "__main__":

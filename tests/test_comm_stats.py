@@ -77,16 +77,10 @@ CASES = {
     "stage3-noguard-qwZ-bf16": (3, {"check_unit_order": False, "quantized_weights": True,
                                     "quantization_block_size": 256}, torch.bfloat16, False),
     "stage3-noguard-hpZ": (3, {"check_unit_order": False, "secondary_partition_size": 2}, torch.float32, False),
-    # blocks of 1 MiB in one segment, one thread per rank: their all-gathers go as broadcasts
+    # blocks of 1 MiB in one segment, one thread per rank: their all-gathers go as broadcasts, without headers
     "stage3-broadcasts": (3, {"bucket_cap_mb": 25}, torch.float32, False),
-    # the headers sent in every all-gather, as on NCCL (the guard's switch to compare them at the pass's end)
-    "stage3-headers-sent": (3, {}, torch.float32, False),
-    "stage3-headers-sent-qwZ-hpZ": (3, {"quantized_weights": True, "secondary_partition_size": 2}, torch.float32,
-                                    False),
 }
-BROADCASTS = {"stage3-broadcasts": 256}  # case -> the model's width
-HEADERS_SENT = {"stage3-headers-sent", "stage3-headers-sent-qwZ-hpZ"}  # else on gloo none is sent: see [Note:
-# headers left out on gloo] in zero_strategy/engine/order_guard.py
+BROADCASTS = {"stage3-broadcasts": 256}  # case -> the model's width (see [Note: headers left out on gloo])
 
 
 def _train(rank: int, world_size: int, names: list[str]) -> dict:
@@ -103,8 +97,6 @@ def _train(rank: int, world_size: int, names: list[str]) -> dict:
         user_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         comm = Collectives(ranks_per_node=PER_NODE)
         sharder = shard_module(model, config, comm) if stage == 3 else None
-        if name in HEADERS_SENT:
-            sharder.guard.deferred = True
         opt = ZeroOptimizer(user_opt, config, comm, sharder=sharder)
         for step in range(2):
             g = torch.Generator().manual_seed(100 * step + rank)
@@ -140,7 +132,7 @@ def _predicted(name: str, by_phase: bool):
     with torch.device("meta"):
         model = TinyLM(BROADCASTS.get(name, WIDTH))
     return predict_step_bytes(model, _config(stage, options), WORLD, PER_NODE, dtype=dtype,
-                              clipping=clip, by_phase=by_phase, backend="nccl" if name in HEADERS_SENT else "gloo")
+                              clipping=clip, by_phase=by_phase, backend="gloo")
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +146,7 @@ def test_comm_stats_equal_the_models_prediction_exactly(runs, name):
     want, phases = _predicted(name, by_phase=False), _predicted(name, by_phase=True)
     for rank, result in enumerate(runs):
         got = result[name]
-        guarded = CASES[name][0] == 3 and CASES[name][1].get("check_unit_order", True)
-        assert got["left_out"] == (guarded and name not in HEADERS_SENT), f"rank {rank}: {got['left_out']}"
+        assert got["left_out"] == (name in BROADCASTS), f"rank {rank}: headers left out: {got['left_out']}"
         assert got["stats"] == want, f"rank {rank}"
         if got["sharder_stats"] is not None:
             assert got["sharder_stats"] == want

@@ -9,7 +9,7 @@ the meta device) and lists the collectives of one training step:
   ``quantized_weights``); backward: each unit's again (from the secondary partition, within its
   group, with ``secondary_partition_size``); with the order guard on, each of these all-gathers
   carries 16 bytes of header per rank of its group (see [Note: the collective header] in
-  engine/collective_header.py), except on gloo (``backend="gloo"``), where they send none (see
+  engine/collective_header.py), except on gloo (``backend="gloo"``) those of 1 MiB or more (see
   [Note: headers left out on gloo] in engine/order_guard.py);
 - every stage: one reduce-scatter per gradient segment (stages 2-3 in backward, per micro-batch;
   stage 1 once, before the step), quantized with ``quantized_gradients``;
@@ -43,6 +43,7 @@ from torch import nn
 
 from .config import ZeroConfig
 from .engine.collective_header import HEADER_BYTES
+from .engine.collectives import BROADCAST_GATHER_BYTES
 from .engine.comm_volume import CommCounter, NodeLayout, sent_bytes
 from .engine.flat import _ONE_SEGMENT
 from .engine.hybrid import resolve_shard_group_size
@@ -109,9 +110,10 @@ class _Step:
     sharding, whose shards are then all-reduced over ``world_size / shards`` replicas (see [Note:
     hybrid sharding] in engine/hybrid.py); intra- or inter-node is rank 0's groups'."""
 
-    def __init__(self, nodes: NodeLayout, shards: int) -> None:
+    def __init__(self, nodes: NodeLayout, shards: int, gloo: bool = False) -> None:
         self.nodes = nodes
         self.shards = shards
+        self.gloo = gloo  # large all-gathers leave their headers out
         self.world_inter = nodes.num_nodes > 1
         self.shard_inter = nodes.spans_nodes(list(range(shards)))
         self.replica_inter = nodes.spans_nodes(list(range(0, nodes.world_size, shards)))
@@ -131,7 +133,8 @@ class _Step:
         for seg in group.layout.segments:
             out = self.shards * packed_row_bytes(seg.shard_numel, quantize) if quantize \
                 else seg.numel * group.element_size
-            out += over * HEADER_BYTES if header else 0
+            left_out = self.gloo and out >= BROADCAST_GATHER_BYTES  # see [Note: headers left out on gloo]
+            out += over * HEADER_BYTES if header and not left_out else 0
             self.add("all_gather", "all_gather", out, over, inter_node)
 
     def reduce(self, group: _Group, quantize: Optional[QuantSpec], sum_replicas: bool = True) -> None:
@@ -182,7 +185,8 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     ride in the stage-3 all-gathers (see [Note: order guard] in engine/order_guard.py; False: as
     with the guard turned off). With ``by_phase`` the same, per phase
     ("forward", "backward", "step"). ``backend``: the process group's; on "gloo" the stage-3
-    all-gathers send no header (see [Note: headers left out on gloo] in engine/order_guard.py).
+    all-gathers of 1 MiB or more send no header (see [Note: headers left out on gloo] in
+    engine/order_guard.py).
     ``module`` may be on the meta device.
     """
     if accumulation_steps < 1:
@@ -191,7 +195,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     shards = resolve_shard_group_size(config.shard_group_size, world_size, nodes.ranks_per_node) or world_size
     element_size = torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
     params = list(dict.fromkeys(module.parameters()))
-    step = _Step(nodes, shards)
+    step = _Step(nodes, shards, backend == "gloo")
     grads_q, weights_q = config.gradient_quantization, config.weight_quantization
     if config.stage == 3:
         first = element_size or params[0].element_size()
@@ -203,7 +207,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     else:
         units, root = [], []
         resident = _groups([p for p in params if p.requires_grad], config, shards, element_size, False)
-    guard = config.stage == 3 and config.check_unit_order and order_checked and shards > 1 and backend != "gloo"
+    guard = config.stage == 3 and config.check_unit_order and order_checked and shards > 1
     secondary = config.secondary_partition_size
     secondary_inter = secondary is not None and nodes.spans_nodes(list(range(secondary)))
     trainable = [g for g in [*(g for u in units for g in u), *root, *resident] if g.trainable]

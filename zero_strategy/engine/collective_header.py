@@ -13,15 +13,16 @@ a quantized gather sends them beside its packed rows, unquantized. The header mu
 another gather's chunk: gloo ends the process when two ranks' collectives of one kind differ in
 size, with no message of ours, where two of different kinds merely wait (and the store comparison of
 [Note: order guard] tells). So on NCCL the chunk and the header go in one coalesced group of two
-all-gathers. On gloo a gather in a pass sends no header at all: the guard keeps the words and
-compares them later, in bulk, inside a collective the step already makes (see [Note: headers left
-out on gloo] in order_guard.py), since on gloo a header would need either a collective of its own
-(beside a large gather's broadcasts: [Note: all-gather on gloo] in collectives.py) or a staged copy
-of every chunk. A gather outside the passes (a state dict, gathered_parameters) still sends it: in
-an all-gather issued just before the broadcasts, a collective of another kind than theirs, checked
-before they are waited for; otherwise in one all-gather of each rank's chunk and header side by
-side, into a buffer of its own from which the chunks are copied out once the header is checked:
-that buffer while the gather lasts, and one copy of the unit. gloo's coalesced all-gather, which
+all-gathers. On gloo a gather in a pass of 1 MiB or more sends no header at all: the guard keeps
+the words and compares them later, in bulk, inside a collective the step already makes (see [Note:
+headers left out on gloo] in order_guard.py), since there a header would need either a collective
+of its own (beside the gather's broadcasts: [Note: all-gather on gloo] in collectives.py) or a
+staged copy of every chunk. A smaller gather, or one outside the passes (a state dict,
+gathered_parameters), sends it: beside broadcasts in an all-gather issued just before them, a
+collective of another kind than theirs, checked before they are waited for; otherwise in one
+all-gather of each rank's chunk and header side by side, into a buffer of its own from which the
+chunks are copied out once the header is checked: that buffer while the gather lasts, and one copy
+of the unit. gloo's coalesced all-gather, which
 carried both in one collective before, corrupts the heap now and then while gloo's two worker threads run
 collectives at once (torch 2.13: ``malloc(): unaligned tcache chunk detected`` in a gloo thread, in
 about one run in three of test_fabric.py on a loaded 2-core host and twice in at most 90 repeated
@@ -31,7 +32,8 @@ collective ahead of the others paired its chunk with their header, and gloo ende
 Every rank receives every rank's header and compares them when the gather is waited for, before
 anything reads the gathered weights (see [Note: order guard] in order_guard.py). Cost: 16 bytes per
 rank in each all-gather's output, so 16 (n - 1) bytes more sent per rank per all-gather: 16,368
-bytes at 1,024 ranks (none in a pass's gathers on gloo, 16 more in the step's all-reduce),
+bytes at 1,024 ranks (none in a pass's gathers of 1 MiB or more on gloo, 16 more in the step's
+all-reduce),
 counted by ``comm_stats()`` and predicted by the communication model (comm_model.py).
 """
 

@@ -369,11 +369,11 @@ class Collectives:
         left out where it may be (see [Note: headers left out on gloo] in order_guard.py)."""
         if self.world_size == 1:
             return Pending(then=lambda: _copy_unless_same(output, input))
+        nbytes = output.numel() * output.element_size()
         if header is not None:
-            if header.defer is None or self.backend != "gloo":
+            if header.defer is None or self.backend != "gloo" or nbytes < BROADCAST_GATHER_BYTES:
                 return self._all_gather_with_header(output, input, what, header)
             header.leave_out()  # its tag still goes in the history and the posts of a long wait
-        nbytes = output.numel() * output.element_size()
         self._count("all_gather", "all_gather", nbytes)
         if self._by_broadcasts_at(nbytes):
             return self._gather_by_broadcasts(output, input, what, header)

@@ -12,9 +12,9 @@ is an ``UnitOrderError`` on every rank (all of them received the same tags), nam
 was doing. The header costs no collective of its own, so every pass is checked, and outside passes
 too (state dicts, gathered_parameters). (The guard used to issue an all-gather of its own per unit
 gather, 3-6% of a step, and so checked only one pass in ``check_unit_order_every`` after the first
-ten; that setting is now accepted and ignored, with a warning.) On the host (gloo) a pass's
-gathers carry no header at all, and their tags are compared in bulk at the step (see [Note: headers
-left out on gloo] below); a gather outside the passes compares them at once. On CUDA they are
+ten; that setting is now accepted and ignored, with a warning.) On the host (gloo) the tags are
+compared at once, except those of a pass's gathers of 1 MiB or more, which carry no header and are
+compared in bulk at the step (see [Note: headers left out on gloo] below). On CUDA they are
 compared at the end of each pass (``flush``), which already
 waits for the device, so the check never stalls the stream; there a divergence is named at the end
 of its pass, before the optimizer step, and one that makes NCCL hang before that is left to
@@ -28,12 +28,13 @@ join.py) replays a forward and backward of its own on the others' cue, so its ta
 rank in step and the guard accepts it; the board notes it as joined, for messages.
 
 [Note: headers left out on gloo]
-On gloo a header costs more than its bytes: a large gather goes as one broadcast per rank straight
-into the gathered buffer ([Note: all-gather on gloo] in collectives.py), which no header can join
-(its own small all-gather beside them cost 2-9% of a step), and any other gather would have to stage
-every rank's chunk beside its header and copy the chunks out (1.23-1.28x a step with 8 MiB blocks at
-two threads per rank; RESULTS.md, issue 34). So on gloo a gather in a pass sends no header: the
-guard keeps its tag and compares the tags kept on every rank later, in bulk, by a digest (64 bits
+On gloo a header costs more than its bytes for a large gather: one of 1 MiB or more goes as one
+broadcast per rank straight into the gathered buffer ([Note: all-gather on gloo] in collectives.py),
+which no header can join (its own small all-gather beside them cost 2-9% of a step), or, with
+several threads per rank, would be staged beside its header and copied out (1.23-1.28x a step with
+8 MiB blocks at two threads per rank; RESULTS.md, issue 34). So on gloo a gather in a pass of 1 MiB
+or more sends no header (a smaller one still does, checked at once: staging it costs little, within
+this host's noise): the guard keeps its tag and compares the tags kept on every rank later, in bulk, by a digest (64 bits
 of BLAKE2b over them; ranks in step keep the same tags, so their digests are equal, and different
 tags collide with chance 2^-63):
 - at the optimizer step, in the tally of the step's all-reduce (see [Note: the step's tally] in
