@@ -34,9 +34,9 @@ which no header can join (its own small all-gather beside them cost 2-9% of a st
 several threads per rank, would be staged beside its header and copied out (1.23-1.28x a step with
 8 MiB blocks at two threads per rank; RESULTS.md, issue 34). So on gloo a gather in a pass of 1 MiB
 or more sends no header (a smaller one still does, checked at once: staging it costs little, within
-this host's noise): the guard keeps its tag and compares the tags kept on every rank later, in bulk, by a digest (64 bits
-of BLAKE2b over them; ranks in step keep the same tags, so their digests are equal, and different
-tags collide with chance 2^-63):
+this host's noise): the guard keeps its tag and compares the tags kept on every rank later, in bulk,
+by a digest (64 bits of BLAKE2b over them; ranks in step keep the same tags, so their digests are
+equal, and different tags collide with chance 2^-63):
 - at the optimizer step, in the tally of the step's all-reduce (see [Note: the step's tally] in
   step_tally.py), which every step makes anyway: no collective more, 16 bytes more in it;
 - at the end of a pass that no backward ended (evaluation, generation), or of any pass once more
