@@ -55,7 +55,8 @@ fit), or completes a pair that happens to fit (an all-to-all and an all-gather o
 the ranks' counts then part), or aborts (see [Note: the collective header]). So every watched
 object (gloo's: see [Note: hang watchdog] in watchdog.py; NCCL's waits are left to NCCL) keeps the
 last ``HISTORY`` collectives it issued, (k, kind, the gather's tag), and a wait that has lasted
-``mismatch_wait_s`` (the engine sets it to ``unit_order_wait``, 5 s by default) posts on the
+``mismatch_wait_s`` (the engine sets it to ``unit_order_wait``, 5 s by default; then again at
+intervals of a quarter of the time waited, so that a long wait does not flood the store) posts on the
 process group's store, under its engine's scope (every rank makes its objects in the same order),
 the histories of all the scope's groups and which collective it waits for, and reads the others':
 - the same k of the same group with another kind, or another gather's tag, in any two histories:
@@ -98,7 +99,7 @@ Describe = Callable[[], str]
 """Names a collective for the watchdog's and the failures' messages: called only when needed."""
 
 
-HISTORY = 64
+HISTORY = 32
 """Collectives each watched object remembers for [Note: collectives that differ]."""
 
 BROADCAST_GATHER_BYTES = 1 << 20
@@ -196,13 +197,14 @@ class Collectives:
         self.issued += 1
         waiting = header.waiting if header is not None else None
         if self.watchdog.watched:
-            seq, inner = self.issued, waiting
+            seq, inner, next_read = self.issued, waiting, [self.mismatch_wait_s]
             self.history.append((seq, kind, header.words if header is not None else ()))
 
             def waiting(waited: float) -> None:
                 if inner is not None:
                     inner(waited)
-                if waited >= self.mismatch_wait_s:
+                if waited >= next_read[0]:  # then ever more seldom: a long legitimate wait (a rank writing
+                    next_read[0] = waited + max(1.0, waited / 4)  # a checkpoint) must not flood the store
                     self._compare_posted(seq, what)
         return Pending(work, then, self.watchdog, what, waiting)
 
