@@ -69,20 +69,17 @@ class Header:
     int32 tensor (n, 4), by rank) once an all-gather carrying them completed; ``waiting(seconds)``,
     called while a wait for the gather lasts (see ``Watchdog.wait``); ``defer``, where set, called
     instead of sending the words where they would need a collective of their own (see [Note: headers
-    left out on gloo] in order_guard.py); ``differ``, called with the words of ranks found at
-    the same point with other words (global rank -> words; it raises)."""
+    left out on gloo] in order_guard.py)."""
 
-    __slots__ = ("words", "check", "waiting", "defer", "differ", "_left_out")
+    __slots__ = ("words", "check", "waiting", "defer", "_left_out")
 
     def __init__(self, words: tuple[int, ...], check: Callable[[torch.Tensor], None],
                  waiting: Optional[Callable[[float], None]] = None,
-                 defer: Optional[Callable[[], None]] = None,
-                 differ: Optional[Callable[[dict[int, tuple[int, ...]]], None]] = None) -> None:
+                 defer: Optional[Callable[[], None]] = None) -> None:
         self.words = words
         self.check = check
         self.waiting = waiting
         self.defer = defer
-        self.differ = differ
         self._left_out = False
 
     def leave_out(self) -> None:

@@ -178,12 +178,11 @@ class Collectives:
             self.nodes = NodeLayout(dist.get_world_size() if initialized else 1, ranks_per_node)
             self.counter = CommCounter()
             self._subgroups: dict[tuple, "Collectives"] = {}
-            self.explainers: list[weakref.WeakMethod] = []  # see explain
-            self.namers: list[weakref.WeakMethod] = []  # an order guard's tag -> what it was for (see _named)
+            self.guards: list[weakref.ref] = []  # the order guards over these groups: see explain, _named
             self._scope: list[Collectives] = [self]  # this object and its subgroups
         else:  # a subgroup counts into its parent's counter, on the same nodes
             self.nodes, self.counter, self._subgroups = _parent.nodes, _parent.counter, _parent._subgroups
-            self.explainers, self.namers, self._scope = _parent.explainers, _parent.namers, _parent._scope
+            self.guards, self._scope = _parent.guards, _parent._scope
             self._scope.append(self)
         self.global_ranks = [self.global_rank(r) for r in range(self.world_size)]
         self.inter_node = self.nodes.spans_nodes(self.global_ranks)
@@ -245,24 +244,25 @@ class Collectives:
                     f"  rank {rank}: waits for the {their_doing} (collective {k} of its group)\n" + _ADVICE,
                     self.scope)
 
+    def _live_guards(self) -> list:
+        return [guard for guard in (ref() for ref in self.guards) if guard is not None]
+
     def _named(self, kind: str, tag: tuple[int, ...]) -> str:
         """A collective of a history, for a message: its kind, and for a gather what its order guard's
         tag says it was for (the scope's first guard names it)."""
-        namers = [m() for m in self.namers if m() is not None]
+        guards = self._live_guards()
         article = "an" if kind[0] in "aeiou" else "a"
-        if not tag or not namers:
+        if not tag or not guards:
             return f"{article} {kind}"
-        return f"{article} {kind} for {namers[0](tag)}"
+        return f"{article} {kind} for {guards[0].doing(tag)}"
 
     def explain(self, lengths_too: bool = True) -> None:
         """The ranks are out of step: let what knows more say it first (an order guard whose gathers
         went without their headers raises the UnitOrderError of the first that differed: see [Note:
         headers left out on gloo] in order_guard.py; without ``lengths_too`` only where two ranks'
         gathers differ, not where one rank's end); returns if none does."""
-        for method in list(self.explainers):
-            explain = method()
-            if explain is not None:
-                explain(lengths_too)
+        for guard in self._live_guards():
+            guard.explain_left_out(lengths_too)
 
     def _count(self, kind: str, algorithm: str, nbytes: int) -> None:
         self.counter.add(kind, sent_bytes(algorithm, nbytes, self.world_size), self.inter_node)

@@ -59,7 +59,6 @@ import array
 import functools
 import hashlib
 import itertools
-import time
 import weakref
 from typing import Optional, Sequence
 
@@ -110,8 +109,7 @@ class OrderGuard:
         self._made = OrderGuard.made
         self._key = f"gather/{OrderGuard.made}/{comm.global_rank(0)}+{comm.world_size}"  # tell subgroups apart
         self._members = {comm.global_rank(r) for r in range(comm.world_size)}
-        comm.explainers.append(weakref.WeakMethod(self.explain_left_out))
-        comm.namers.append(weakref.WeakMethod(self.doing))
+        comm.guards.append(weakref.ref(self))  # see Collectives.explain
 
     made = 0  # guards made in this process: the store's posts of one guard are not another's
 
@@ -129,7 +127,7 @@ class OrderGuard:
         words = encode(self.passes, self.seq, unit, phase, context)
         defer = None if phase == OUTSIDE or self.deferred else functools.partial(self._leave_out, words)
         return Header(words, self._received, lambda waited: waited >= self.wait_s and self._waiting_long(words),
-                      defer, self._raise_differing)
+                      defer)
 
     # ---- headers left out: see [Note: headers left out on gloo] --------------------------
 
@@ -176,18 +174,10 @@ class OrderGuard:
         board = rank_board.board()
         if not (self.leaves_out and board.enabled):
             return
-        key = f"left_out/{self._made}/{self._checks}"
         mine = self._left_out
-        try:
-            board.post(key, ";".join(",".join(map(str, tag)) for tag in mine))
-            deadline = time.monotonic() + NAME_WAIT_S
-            while True:  # every rank's: ranks in step keep the same tags, whatever their groups (hybrid sharding)
-                posted = board.posted(key)
-                if len(posted) >= board.world_size - 1 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        except Exception:  # the store is gone or slow: the caller says what it knows
-            return
+        # every rank's: ranks in step keep the same tags, whatever their groups (hybrid sharding)
+        posted = board.exchange(f"left_out/{self._made}/{self._checks}",
+                                ";".join(",".join(map(str, tag)) for tag in mine), NAME_WAIT_S)
         kept = {board.rank: mine, **{r: [tuple(int(v) for v in tag.split(",")) for tag in text.split(";") if tag]
                                      for r, text in posted.items()}}
         for i in range(max(len(tags) for tags in kept.values())):

@@ -29,6 +29,7 @@ made only by a rank that has waited more than a slice of the watchdog (see [Note
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Callable, Optional
 
@@ -132,6 +133,22 @@ class RankBoard:
             if r != self.rank and self.store.check([self._key(r, what)]):  # type: ignore[union-attr]
                 out[r] = self.store.get(self._key(r, what)).decode()  # type: ignore[union-attr]
         return out
+
+    def exchange(self, what: str, text: str, wait_s: float) -> dict[int, str]:
+        """Post this rank's ``what`` as ``text`` and read the other ranks', waiting at most ``wait_s``
+        for all of them: the posts read by then (none when the board is off or the store gone)."""
+        if not self.enabled:
+            return {}
+        self.post(what, text)
+        deadline, posted = time.monotonic() + wait_s, {}
+        while True:
+            try:
+                posted = self.posted(what)
+            except Exception:  # the store is gone: what was read so far
+                return posted
+            if len(posted) >= self.world_size - 1 or time.monotonic() > deadline:
+                return posted
+            time.sleep(0.05)
 
     def _counts(self) -> dict[int, int]:
         others = [r for r in range(self.world_size) if r != self.rank]

@@ -28,7 +28,6 @@ differed, from the tags each rank posts.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import torch
@@ -73,18 +72,7 @@ def raise_disagreement(steps: int, backwards: int, digest: int, key: str, scope:
     alone, ``explain()`` raises the order guard's error naming the gathers that differed."""
     mine = f"{steps},{backwards},{digest}"
     board = rank_board.board()
-    posted: dict[int, str] = {}
-    if board.enabled:
-        board.post(key, mine)
-        deadline = time.monotonic() + NAME_WAIT_S
-        while True:
-            try:
-                posted = board.posted(key)
-            except Exception:  # the store is gone: name this rank alone
-                break
-            if len(posted) >= board.world_size - 1 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+    posted = board.exchange(key, mine, NAME_WAIT_S)
     everyone = board.enabled and len(posted) >= board.world_size - 1
     if everyone and len({t.rsplit(",", 1)[0] for t in [mine, *posted.values()]}) == 1:  # the same work, other gathers
         if explain is not None:
