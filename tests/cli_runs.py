@@ -152,13 +152,15 @@ def _set_priority(procs: dict[str, subprocess.Popen], idle: bool) -> None:
 
 
 def popen_logged(commands: Commands, logs: Path) -> dict[str, subprocess.Popen]:
-    from .distributed import free_port
-
+    """Start the commands, their output to files in ``logs``, without a MASTER_PORT: each Lightning
+    launch finds a free port itself when it starts. A port picked here would sit unused while the
+    launch waits at idle priority, minutes in which any other process may take it (a DDP launch of
+    test_lightning.py once failed so: EADDRINUSE)."""
     procs = {}
     for name, (cmd, env, cwd) in commands.items():
+        env = {k: v for k, v in env.items() if k != "MASTER_PORT"}
         with open(logs / f"{name}.stdout", "w") as out, open(logs / f"{name}.stderr", "w") as err:
-            procs[name] = subprocess.Popen(cmd, cwd=cwd, env={**env, "MASTER_PORT": str(free_port())}, text=True,
-                                           stdout=out, stderr=err)
+            procs[name] = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=out, stderr=err)
     return procs
 
 
