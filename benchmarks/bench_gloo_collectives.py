@@ -1,5 +1,5 @@
 """gloo's collectives on one host against other ways to run them: the engine's reduce-scatter (an
-all-to-all and a sum: see [Note: reduce-scatter on gloo] in zero_strategy/engine/collectives.py)
+all-to-all and a sum: see [Note: reduce-scatter on gloo] in zero_strategy/engine/comm/collectives.py)
 against gloo's own and an all-reduce, and gloo's all-gather against one broadcast from each rank.
 
     python benchmarks/bench_gloo_collectives.py [--world 2,4] [--mib 1,8,32,128] [--repeats 8]

@@ -13,7 +13,7 @@
 
 3. Quantization (cuda/quantize.cu): bytes read + written per second by quantize (fp32/bf16 rows to
    packed int8/int4 rows, blocks of 256) and by the dequantizing copy-out into a bf16/fp32 buffer,
-   and the same through the torch reference (engine/quantize.py's ``reference_*``), side by side;
+   and the same through the torch reference (engine/comm/quantize.py's ``reference_*``), side by side;
    each kernel's bytes are checked equal to the reference's first.
 
 Both paths are checked against each other after one step before anything is timed.
@@ -78,8 +78,7 @@ def quantize_bandwidth(numel: int, dtype: torch.dtype, bits: int, iters: int) ->
     """Quantize and dequantize-into-buffer of 8 rows (a world of 8's all-gather) through the kernels
     and through the torch reference: GB/s of bytes read + written, and the reference's time over the
     kernel's."""
-    from zero_strategy.engine.quantize import (QuantSpec, dequantize_into, packed_row_bytes, quantize_rows,
-                                               reference_dequantize_rows, reference_quantize_rows)
+    from zero_strategy.engine.comm.quantize import QuantSpec, dequantize_into, packed_row_bytes, quantize_rows, reference_dequantize_rows, reference_quantize_rows
 
     spec, rows = QuantSpec(bits, 256), 8
     x = torch.randn(rows, numel // rows, device="cuda").to(dtype)

@@ -87,7 +87,7 @@ def _evaluate(model, val_batches) -> float:
 
 def run(name: str, seed: int, args, train_set, val_batches) -> dict:
     from zero_strategy import ZeroConfig
-    from zero_strategy.engine.optimizer import ZeroOptimizer
+    from zero_strategy.engine.optim.optimizer import ZeroOptimizer
     from zero_strategy.models import GPT
     from zero_strategy.models.optim import param_groups, warmup_cosine
 

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from zero_strategy import ZeroConfig, ZeroOptimizer
-from zero_strategy.engine.step_disk import DiskStep
+from zero_strategy.engine.optim.step.disk import DiskStep
 
 
 def gpt2_like_sizes(target: int) -> list[int]:

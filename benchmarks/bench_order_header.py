@@ -13,7 +13,7 @@ the median step times (on / off) of each round, their median and their spread (m
 the bytes a step sends with and without the headers (``comm_stats()``): 16 (n - 1) more per
 all-gather under 1 MiB (the head's); on gloo a pass's gathers of 1 MiB or more send none, the guard
 keeping their tags and comparing them by a digest in the step's all-reduce, which carries it with
-the guard on or off (see [Note: headers left out on gloo] in zero_strategy/engine/order_guard.py).
+the guard on or off (see [Note: headers left out on gloo] in zero_strategy/engine/comm/order_guard.py).
 
 Timing needs a quiet machine: on a loaded host the spread across rounds says how far to trust it.
 """

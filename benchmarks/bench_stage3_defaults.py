@@ -13,9 +13,9 @@ bytes x parameters / N. Variants:
 
 - ``ddp``: torch DistributedDataParallel;
 - ``zero3``: ``ZeroConfig(stage=3)`` with no other option, the engine ``Trainer(strategy="zero_stage_3")``
-  runs (units chosen by size: see [Note: default units] in zero_strategy/engine/unit_plan.py);
+  runs (units chosen by size: see [Note: default units] in zero_strategy/engine/params/plan.py);
 - ``zero3_heap`` (only when asked for): the same with ``cpu_mmap_threshold_mb=None``, glibc's malloc
-  left as it comes (see [Note: glibc's mmap threshold] in zero_strategy/engine/malloc.py);
+  left as it comes (see [Note: glibc's mmap threshold] in zero_strategy/engine/buffers/malloc.py);
 - ``fsdp2``: ``fully_shard`` on each block (the MLP's blocks, GPT2Block, BertLayer) and the root.
 
 [Note: resident memory on glibc]

@@ -92,7 +92,7 @@ from benchmarks.stages_report import (NO_MATPLOTLIB, matplotlib_available, plot_
 from benchmarks.stages_variants import (DEFAULT_VARIANTS, VARIANTS, ResidualMLP, build_variants,  # noqa: E402
                                         device_name, make_batches, model_shape, rank_device, train_step,
                                         unavailable)
-from zero_strategy.engine.malloc import set_mmap_threshold  # noqa: E402
+from zero_strategy.engine.buffers.malloc import set_mmap_threshold  # noqa: E402
 
 
 # ---- the timed run on each rank ----------------------------------------------------------------

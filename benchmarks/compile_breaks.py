@@ -7,7 +7,7 @@ transformers' GPT-2 built from its config (random init) with ``ZeroConfig(stage=
 else, or the stage benchmark's residual MLP; ``torch._dynamo.explain`` on one forward, eager and
 sharded, printing the graph count, the break count and the break reasons, and the ops in the graphs
 ``torch.compile`` runs in one forward (a counting backend: a block's graph counts once per block).
-See [Note: compiled modules] in zero_strategy/engine/parameters.py for why each unit's gather and
+See [Note: compiled modules] in zero_strategy/engine/params/flat_parameters.py for why each unit's gather and
 release is a break, and why deep transformers need a higher ``recompile_limit``.
 """
 

@@ -195,7 +195,7 @@ class Variant:
     forward: Callable[[torch.Tensor], torch.Tensor]
     opt: Any  # torch optimizer, ZeroOptimizer, or DeepSpeed's engine
     backward: Callable[[torch.Tensor], None] = lambda loss: loss.backward()
-    sharder: Any = None  # zero3's ParameterSharder
+    sharder: Any = None  # zero3's FlatParameters
     step_times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)
@@ -240,7 +240,7 @@ def build_variant(name: str, args: argparse.Namespace, width: int) -> Variant:
     if name == "local":
         return Variant(name, model, model, inner)
     # glibc's mmap threshold is the process's: the engine sets it only in a process of its own, never
-    # under the variants sharing the timed run (see [Note: glibc's mmap threshold] in engine/malloc.py)
+    # under the variants sharing the timed run (see [Note: glibc's mmap threshold] in zero_strategy/engine/buffers/malloc.py)
     malloc = {} if getattr(args, "engine_sets_malloc", False) else {"cpu_mmap_threshold_mb": None}
     if name in ("zero1", "zero2"):
         opt = ZeroOptimizer(inner, ZeroConfig(stage=int(name[-1]), bucket_cap_mb=args.bucket_cap_mb, **malloc))

@@ -21,7 +21,7 @@
 
 #define QBLOCK 256  // elements per int8 block = threads per CUDA block; one CUDA block per int8 block
 
-// Roles of the tensor-list table (see [Note: tensor-list table] in zs_common.cuh). KEY and START are
+// Roles of the tensor-list table (see [Note: tensor-list table] in cuda/zs_common.cuhhh). KEY and START are
 // not addresses: the parameter's stochastic-rounding key and the position of the tensor's first
 // element in its parameter (engine/lowp.py's random_bits16).
 enum { LP_PARAM, LP_GRAD, LP_EXP_AVG, LP_EXP_AVG_SQ, LP_AVG_SCALE, LP_AVG_SQ_SCALE, LP_KEY, LP_START, LP_ROLES };

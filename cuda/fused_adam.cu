@@ -45,7 +45,7 @@ __device__ __forceinline__ void adam_update(const AdamArgs& a, float& p, float g
 
 // G: gradient storage (float, bf16_t, f16_t). L: low-precision output (bf16_t, f16_t, or no_out_t).
 // grad_scale, grad_scale_ptr: the gradient factor, see grad_factor in zs_common.cuh.
-// The loop: [Note: element loops] in zs_common.cuh.
+// The loop: [Note: element loops] in cuda/zs_common.cuhhh.
 template <typename G, typename L>
 __global__ void __launch_bounds__(256, ZS_MIN_BLOCKS) adam_step(
     const i64* table, int n, i64 chunk, float grad_scale, const float* grad_scale_ptr, float one_minus_beta1,

@@ -31,7 +31,7 @@ __device__ __forceinline__ void sgd_update(const SgdArgs& a, bool first_step, fl
   p = p + (-a.lr) * gk;
 }
 
-// The loop: [Note: element loops] in zs_common.cuh.
+// The loop: [Note: element loops] in cuda/zs_common.cuhhh.
 template <typename G, typename L>
 __global__ void __launch_bounds__(256, ZS_MIN_BLOCKS) sgd_step(
     const i64* table, int n, i64 chunk, float grad_scale, const float* grad_scale_ptr, float lr, float momentum,

@@ -30,7 +30,7 @@ __device__ __forceinline__ T block_reduce(T x, bool max_mode) {
 
 // Block b writes partials[block_offset + b] and flags[block_offset + b]: several launches (one per
 // gradient dtype) fill disjoint ranges of the same arrays before grad_norm_final.
-// The loop: [Note: element loops] in zs_common.cuh; each thread accumulates its elements in the same order
+// The loop: [Note: element loops] in cuda/zs_common.cuhhh; each thread accumulates its elements in the same order
 // (its Vec4s in turn, 4 elements each) on either path.
 template <typename G>
 __global__ void __launch_bounds__(NORM_THREADS, ZS_MIN_BLOCKS) grad_norm_partials(

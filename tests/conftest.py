@@ -66,8 +66,7 @@ def tmp_root(tmp_path_factory) -> str:
 
 
 def pytest_collection_finish(session):
-    """Start the launches of the selected modules that may start early ([Note: launches started
-    early] in cli_runs.py)."""
+    """Start the launches of the selected modules that may start early ([Note: launches started early] in tests/cli_runs.py)."""
     if session.config.option.collectonly or not session.items:
         return
     factory = session.config._tmp_path_factory  # the one behind the tmp_path_factory fixture

@@ -126,7 +126,7 @@ def _uniform01(seed: int, index: torch.Tensor) -> torch.Tensor:
 
 def _emulate_quantize(name: str, grid: int, block: int, args) -> None:
     """The kernels of cuda/quantize.cu on host memory, reading their arguments as the CUDA code does."""
-    from zero_strategy.engine.quantize import QuantSpec, reference_dequantize_rows  # noqa: PLC0415
+    from zero_strategy.engine.comm.quantize import QuantSpec, reference_dequantize_rows  # noqa: PLC0415
 
     kernel, _, params = name.partition("<")
     params = [p.strip() for p in params.rstrip(">").split(",")]

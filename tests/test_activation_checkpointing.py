@@ -131,7 +131,7 @@ def test_wrapping_keeps_classes_and_state_dict_keys_and_is_idempotent():
     assert model.blocks[0].forward is wrapper and wrapper.own_forward is None
     assert list(model.state_dict()) == keys and [type(m) for m in model.modules()] == classes
     # stage 3 finds its units by class name, as before
-    from zero_strategy.engine.unit_plan import plan_units
+    from zero_strategy.engine.params.plan import plan_units
 
     assert [unit.name for unit in plan_units(model, ("Block",), persist_numel=0).units] == names
     copied = copy.deepcopy(model)  # the copy's wrappers run the copy, not the original

@@ -41,7 +41,7 @@ def _cases(root: Path) -> dict[str, tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=None)
 def _all_runs(root: Path) -> dict[str, list[dict]]:
-    """One launch running every case in turn (see [Note: one launch per strategy] in test_lightning.py)."""
+    """One launch running every case in turn (see [Note: one launch per strategy] in tests/test_lightning.py)."""
     return launch_cases(root / "all", "ddp", _cases(root), script=SCRIPT)
 
 

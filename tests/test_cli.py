@@ -136,7 +136,7 @@ QUICK = {**{f"bad: {name}": ["zero-train", *overrides] for name, (overrides, _) 
 CONSOLE_CASE = "unknown key"  # also run through the console script, as the shell runs it
 
 
-LAUNCH = "cli_launches"  # the early launch's name (see [Note: launches started early] in cli_runs.py)
+LAUNCH = "cli_launches"  # the early launch's name (see [Note: launches started early] in tests/cli_runs.py)
 FOLDERS = ("sweep", "quick", "console", "resume")
 
 
@@ -159,7 +159,7 @@ def _commands(base: Path) -> Commands:
     }
 
 
-EARLY[LAUNCH] = (__name__, _commands)  # started at collection: see [Note: launches started early] in cli_runs.py
+EARLY[LAUNCH] = (__name__, _commands)  # started at collection: see [Note: launches started early] in tests/cli_runs.py
 
 
 def _zero2(base: Path) -> Path:

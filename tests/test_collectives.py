@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from zero_strategy.engine import Collectives
-from zero_strategy.engine import collectives as collectives_module
-from zero_strategy.engine.collective_header import Header
-from zero_strategy.engine.comm_volume import sent_bytes
+from zero_strategy.engine.comm import collectives as collectives_module
+from zero_strategy.engine.diagnose.header import Header
+from zero_strategy.engine.comm.volume import sent_bytes
 
 from .distributed import run_distributed
 

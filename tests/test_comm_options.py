@@ -11,8 +11,8 @@ from torch import nn
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, shard_module
-from zero_strategy.engine.comm_volume import NodeLayout, sent_bytes
-from zero_strategy.engine.quantize import QuantSpec
+from zero_strategy.engine.comm.volume import NodeLayout, sent_bytes
+from zero_strategy.engine.comm.quantize import QuantSpec
 from zero_strategy.memory import estimate_memory
 
 from .distributed import run_distributed

@@ -28,7 +28,7 @@ from zero_strategy.checkpoint.deepspeed import (align_optimizer_state, consolida
 from zero_strategy.checkpoint.deepspeed_files import load_safely
 from zero_strategy.checkpoint.sharded import parameter_names
 from zero_strategy.engine import shard_module
-from zero_strategy.engine.scaler import LossScaler
+from zero_strategy.engine.grads.scaler import LossScaler
 
 from .deepspeed_model import (BETAS, CASES, CONTINUE, EPS, LR, SAVE_AT, batch_for, build_model, loss_of,
                               param_groups)

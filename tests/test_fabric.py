@@ -246,7 +246,7 @@ def _built_on_meta(rank: int, world_size: int) -> dict:
     def whole_bytes() -> int:  # parameters materialised and not yet sharded (a sharded one is empty)
         return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
 
-    from zero_strategy.engine import materialize
+    from zero_strategy.engine.params import materialize
 
     allocate = materialize._allocate  # the engine gives each unit storage module by module, then shards it
 

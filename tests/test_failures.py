@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_strategy.engine.watchdog import HANG_EXIT_CODE, SIGTERM_EXIT_CODE
+from zero_strategy.engine.diagnose.watchdog import HANG_EXIT_CODE, SIGTERM_EXIT_CODE
 
 from .cli_runs import run_at_once
 from .distributed import free_port

@@ -7,7 +7,7 @@ weights, fp32 masters, AdamW (or SGD with momentum) and clipping by norm (at eve
 last, whose factor is then a host float, not a device scalar); fp16 runs have a dynamic
 LossScaler and one step whose gradient overflows on one rank and is skipped. Only the backend
 switch differs. Where the kernels run (see [Note: the fused mixed-precision step] in
-engine/step_grads.py) the bf16/fp16 gradients are read as reduced, 1/loss scale times the clip
+zero_strategy/engine/optim/step/grads.py) the bf16/fp16 gradients are read as reduced, 1/loss scale times the clip
 coefficient is one factor handed to the kernel, and the update writes the fp32 master and the
 working weights in one pass; on the torch path the gradients are copied to fp32, unscaled, clipped
 and stepped by torch.optim, and the masters rounded into the working weights after.

@@ -1,4 +1,4 @@
-"""Hybrid sharding (issue 32, [Note: hybrid sharding] in engine/hybrid.py) on 4 gloo ranks laid out
+"""Hybrid sharding (issue 32, [Note: hybrid sharding] in zero_strategy/engine/comm/topology.py) on 4 gloo ranks laid out
 as 2 nodes of 2, with shard_group_size=2 (the node): stages 1-3 equal DDP (1e-5); comm_stats()
 equals the communication model's prediction exactly, every all-gather and reduce-scatter stays
 inside a node and only all-reduces cross one; checkpoints are written by the first shard group and
@@ -21,9 +21,9 @@ from zero_strategy.checkpoint.sharded import flat_groups, writes_shards
 from zero_strategy.comm_model import predict_step_bytes
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
-from zero_strategy.engine.comm_volume import sent_bytes
-from zero_strategy.engine.hybrid import HybridMesh, resolve_shard_group_size
-from zero_strategy.engine.step_tally import TALLY_BYTES
+from zero_strategy.engine.comm.volume import sent_bytes
+from zero_strategy.engine.comm.topology import HybridMesh, resolve_shard_group_size
+from zero_strategy.engine.diagnose.tally import TALLY_BYTES
 from zero_strategy.memory import estimate_memory, memory_stats
 
 from .distributed import run_distributed

@@ -311,7 +311,7 @@ def test_the_emulator_refuses_memory_the_launch_does_not_hold(emulated_device):
 
 
 def test_the_quantize_kernels_refuse_an_output_they_would_overrun(emulated_device):
-    from zero_strategy.engine.quantize import QuantSpec, code_bytes, packed_row_bytes  # noqa: PLC0415
+    from zero_strategy.engine.comm.quantize import QuantSpec, code_bytes, packed_row_bytes  # noqa: PLC0415
     from zero_strategy.kernels import ops  # noqa: PLC0415
 
     spec, numel = QuantSpec(8, 16), 40

@@ -192,13 +192,12 @@ def test_optimizer_step_with_bf16_grads_scale_and_lowp_out():
         _close(outs[a].float(), b.detach().bfloat16().float(), torch.bfloat16)
 
 
-# ---- block quantization (cuda/quantize.cu against engine/quantize.py's reference) --------------
+# ---- block quantization (cuda/quantize.cu against engine/comm/quantize.py's reference) --------------
 
 @pytest.mark.parametrize("bits,block", [(8, 256), (8, 7), (4, 64), (4, 5)])
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 def test_quantize_kernels_match_the_reference(bits, block, dtype):
-    from zero_strategy.engine.quantize import (QuantSpec, dequantize_into, dequantize_sum, quantize_rows,
-                                               reference_dequantize_rows, reference_quantize_rows)
+    from zero_strategy.engine.comm.quantize import QuantSpec, dequantize_into, dequantize_sum, quantize_rows, reference_dequantize_rows, reference_quantize_rows
 
     spec = QuantSpec(bits, block)
     for rows, numel in [(1, 2), (3, 70), (8, 4098), (4, (1 << 18) + 2)]:
@@ -217,7 +216,7 @@ def test_quantize_kernels_match_the_reference(bits, block, dtype):
 
 
 def test_quantize_kernel_rounds_stochastically_without_bias_and_keeps_non_finite():
-    from zero_strategy.engine.quantize import QuantSpec, dequantize_rows, quantize_rows
+    from zero_strategy.engine.comm.quantize import QuantSpec, dequantize_rows, quantize_rows
 
     spec = QuantSpec(4, 64)
     x = _randn(64, 5).view(1, 64)

@@ -2,7 +2,7 @@
 
 Pure integers, no torch and no process group. Every layout of a grid of small parameter lists,
 world sizes, bucket sizes and alignments is checked against the invariants of [Note: segments]
-and [Note: pieces] in layout.py, and against brute-force references that work element by element.
+and [Note: pieces] in zero_strategy/engine/buffers/layout.py, and against brute-force references that work element by element.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from zero_strategy.engine.layout import GroupLayout, Piece, align_elements, plan_group, round_up
+from zero_strategy.engine.buffers.layout import GroupLayout, Piece, align_elements, plan_group, round_up
 
 SIZES = (0, 1, 2, 3, 5, 8, 17)  # empty, smaller than any world, odd, aligned, larger than small buckets
 WORLD_SIZES = (1, 2, 3, 4)

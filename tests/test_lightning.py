@@ -124,7 +124,7 @@ def _commands(base: Path) -> Commands:
 
 
 LAUNCHES = "lightning_launches"
-EARLY[LAUNCHES] = (__name__, _commands)  # started at collection: see [Note: launches started early] in cli_runs.py
+EARLY[LAUNCHES] = (__name__, _commands)  # started at collection: see [Note: launches started early] in tests/cli_runs.py
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,7 +251,7 @@ def test_gradient_accumulation_matches_ddp(tmp_root, strategy):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_local_accumulation_matches_ddp_and_reduces_once_per_step(tmp_root, stage):
     """Trainer(accumulate_grad_batches=4) with local_accumulation: block_backward_sync defers the first
-    three micro-batches' reductions (see [Note: local accumulation] in engine/local_accumulation.py)."""
+    three micro-batches' reductions (see [Note: local accumulation] in zero_strategy/engine/grads/accumulation.py)."""
     strategy = "zero2-local" if stage == 2 else "zero3-linear-local"
     local = zero_runs(tmp_root, strategy)["accumulate"]
     usual = zero_runs(tmp_root, "zero_stage_2" if stage == 2 else "zero3-linear")

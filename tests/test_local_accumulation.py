@@ -1,4 +1,4 @@
-"""Local accumulation (issue 32, [Note: local accumulation] in engine/local_accumulation.py): at
+"""Local accumulation (issue 32, [Note: local accumulation] in zero_strategy/engine/grads/accumulation.py): at
 stages 2 and 3, four micro-batches accumulated locally equal the reduce-every-micro-batch run
 (fp32: within 1e-6), reduce once per optimizer step (reduce-scatter calls and comm_stats() bytes),
 and hold the full-size buffer memory_stats() and estimate_memory() count. One launch of 2 gloo

@@ -1,4 +1,4 @@
-"""The low-precision state encodings of engine/lowp.py, checked against what they promise rather
+"""The low-precision state encodings of engine/optim/lowp.py, checked against what they promise rather
 than against themselves: the int8 round trip stays within its stated bound on random and
 adversarial blocks, stochastic rounding is unbiased and reproducible by position, and one int8
 AdamW step through ``step_stored`` equals an 8-bit AdamW written here from the published algorithm."""
@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 
-from zero_strategy.engine.lowp import (Bf16State, Int8State, code_map, max_code_gap, random_bits16, round_to_bf16,
-                                       step_stored)
-from zero_strategy.engine.tiled_step import step_views
+from zero_strategy.engine.optim.lowp import Bf16State, Int8State, code_map, max_code_gap, random_bits16, round_to_bf16, step_stored
+from zero_strategy.engine.optim.tiles import step_views
 
 
 def _blocks(signed: bool) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from zero_strategy import kernels
-from zero_strategy.engine import lowp
+from zero_strategy.engine.optim import lowp
 from zero_strategy.kernels import cpu_codec
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the CPU codec")

@@ -1,4 +1,4 @@
-"""The low-precision step (engine/step_lowp.py) in the engine: its options' checks, stage and
+"""The low-precision step (engine/optim/step/lowp.py) in the engine: its options' checks, stage and
 world-size parity bit for bit, resume bit for bit (also onto another world size), and its bytes.
 
 Parity is against the same combination in one process. Every rank trains on the same full batch, so
@@ -71,7 +71,7 @@ def _train(model, opt, steps, first=0) -> list[float]:
 
 def _weights(model, opt) -> dict[str, torch.Tensor]:
     """The full weights (gathered at stage 3) and the fp32 masters' full values where there are some."""
-    from zero_strategy.engine.parameters import gathered_parameters
+    from zero_strategy.engine.params.flat_parameters import gathered_parameters
 
     with gathered_parameters(model) if opt.config.stage == 3 else _nothing():
         out = {n: p.detach().clone().float() for n, p in model.named_parameters()}
@@ -190,7 +190,7 @@ def _resumed(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
         return out
     import torch.distributed as dist
 
-    from zero_strategy.engine.collectives import Collectives
+    from zero_strategy.engine.comm.collectives import Collectives
 
     alone = dist.new_group([0])  # every rank takes part in making it; rank 0 alone uses it
     for state in ("int8", "bf16"):
@@ -214,7 +214,7 @@ def _resumed(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
 
 def _build_on(config: ZeroConfig, comm):
     """``_build`` over a group of one rank (a run on one process resharded from two)."""
-    from zero_strategy.engine.parameters import FlatParameters
+    from zero_strategy.engine.params.flat_parameters import FlatParameters
 
     torch.manual_seed(0)
     model = _MLP().bfloat16()
@@ -375,7 +375,7 @@ def test_deepspeeds_bf16_keys_train_through_initialize_and_configure_the_strateg
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_the_code_table_finds_what_bucketize_finds(signed):
-    from zero_strategy.engine.lowp import _midpoints, nearest_codes
+    from zero_strategy.engine.optim.lowp import _midpoints, nearest_codes
 
     mids = _midpoints(signed)
     g = torch.Generator().manual_seed(0)
@@ -391,7 +391,7 @@ def test_the_code_table_finds_what_bucketize_finds(signed):
 def test_the_fast_random_bits_and_rounding_are_splitmix64_and_truncation_as_written_out():
     """random_bits16 skips splitmix64's last step and rounding skips its ``where`` where no value can
     overflow: both against the algorithm written here with Python integers (what cuda/adam_lowp.cu does)."""
-    from zero_strategy.engine.lowp import random_bits16, round_to_bf16, sr_base
+    from zero_strategy.engine.optim.lowp import random_bits16, round_to_bf16, sr_base
 
     mask = (1 << 64) - 1
 

@@ -65,7 +65,7 @@ EARLY[LAUNCH] = (__name__, _commands)  # started at collection: see [Note: launc
 def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """The README's main job and every example, run at once, each in its own folder: a run spends
     much of its time importing Lightning and starting its second rank, on one core, which the others'
-    training fills; started at collection (see [Note: launches started early] in cli_runs.py).
+    training fills; started at collection (see [Note: launches started early] in tests/cli_runs.py).
     name -> (the finished process, its folder)."""
     done, base = take(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False), timeout=400)
     return {name: (proc, base / name) for name, (proc, _) in done.items()}

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from zero_strategy import ZeroConfig, ZeroOptimizer, estimate_memory, gathered_parameters, memory_stats
 from zero_strategy.engine import shard_module
-from zero_strategy.engine.offload import DiskState, host_optimizer_kwargs
-from zero_strategy.engine.step_disk import DiskStep
-from zero_strategy.engine.tiled_step import TilePart, plan_tiles
+from zero_strategy.engine.optim.step.disk import DiskState
+from zero_strategy.engine.optim.step.host import host_optimizer_kwargs
+from zero_strategy.engine.optim.step.disk import DiskStep
+from zero_strategy.engine.optim.tiles import TilePart, plan_tiles
 
 from .distributed import run_distributed
 from .models import OddMLP, batch, param_groups
@@ -48,7 +49,7 @@ def _run(rank, stage, options, accumulate=False, round_trip=False):
         opt.clip_grad_norm_(0.5)
         opt.step()
         sched.step()
-        if round_trip and step == 2:  # state out of the files and back in: see [Note: offloaded step] in step_host.py
+        if round_trip and step == 2:  # state out of the files and back in: see [Note: offloaded step] in zero_strategy/engine/optim/step/host.py
             opt.load_state_dict(opt.state_dict())
     state = opt.state_dict()
     with gathered_parameters(model):

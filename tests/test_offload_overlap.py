@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from zero_strategy import ZeroConfig, ZeroOptimizer, gathered_parameters, memory_stats
 from zero_strategy.engine import shard_module
-from zero_strategy.engine.overlap import same_settings
-from zero_strategy.engine.scaler import LossScaler
+from zero_strategy.engine.optim.step.overlap import same_settings
+from zero_strategy.engine.grads.scaler import LossScaler
 
 from .distributed import run_distributed
 from .models import OddMLP, batch, param_groups

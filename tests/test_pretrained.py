@@ -390,7 +390,7 @@ def test_lora_on_a_pretrained_base_trains_as_ddp_at_every_stage(checkpoints):
 FIRST_IMPORT_INSIDE = """
 import sys
 from zero_strategy.pretrained import sharded_init
-from zero_strategy.engine.materialize import _param_sources
+from zero_strategy.engine.params.materialize import _param_sources
 assert "transformers.modeling_utils" not in sys.modules
 with sharded_init():
     from transformers import GPT2LMHeadModel  # first imported here, as in a configure_model

@@ -1,4 +1,4 @@
-"""Block-wise quantization (engine/quantize.py): the packed layout, the error bound, the launch path of
+"""Block-wise quantization (engine/comm/quantize.py): the packed layout, the error bound, the launch path of
 cuda/quantize.cu (through tests/kernel_emulator.py: the same bytes as the torch reference), and the
 quantized gathers of a world of one (exact outside forward and backward). No process group."""
 
@@ -10,10 +10,8 @@ from torch import nn
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import shard_module
-from zero_strategy.engine.order_guard import FORWARD
-from zero_strategy.engine.quantize import (QuantSpec, code_bytes, dequantize_into, dequantize_rows, dequantize_sum,
-                                           num_blocks, packed_row_bytes, quantize_rows, reference_dequantize_rows,
-                                           reference_quantize_rows)
+from zero_strategy.engine.comm.order_guard import FORWARD
+from zero_strategy.engine.comm.quantize import QuantSpec, code_bytes, dequantize_into, dequantize_rows, dequantize_sum, num_blocks, packed_row_bytes, quantize_rows, reference_dequantize_rows, reference_quantize_rows
 
 from .kernel_emulator import emulated_device, emulated_kernels  # noqa: F401,F811  (a fixture)
 

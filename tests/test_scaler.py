@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from zero_strategy.engine.scaler import LossScaleError, LossScaler
+from zero_strategy.engine.grads.scaler import LossScaleError, LossScaler
 
 # (window, hysteresis, min_scale): the brief's window 4 / hysteresis 2, DeepSpeed's defaults' shape,
 # a scaler without hysteresis, and one that reaches its floor

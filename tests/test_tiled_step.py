@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from zero_strategy.engine import ELEMENTWISE_OPTIMIZERS
-from zero_strategy.engine.step_torch import TorchStep
-from zero_strategy.engine.tiled_step import TiledStep, plan_tiles
+from zero_strategy.engine.optim.step.torch_step import TorchStep
+from zero_strategy.engine.optim.tiles import TiledStep, plan_tiles
 
 SETTINGS = {  # options that give each optimizer its largest state (and a second group's differ)
     torch.optim.SGD: dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),

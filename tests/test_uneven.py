@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_strategy import Join, ZeroConfig, initialize
 from zero_strategy.engine import Collectives
-from zero_strategy.engine.rank_board import RankBoard
+from zero_strategy.engine.diagnose.rank_board import RankBoard
 from zero_strategy.frontend import WorkingPrecision, clip_grad_norm, setup_engine
 
 from .cli_runs import run_at_once

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from zero_strategy.engine.unit_plan import MAX_UNIT_FRACTION, is_called, plan_units
+from zero_strategy.engine.params.plan import MAX_UNIT_FRACTION, is_called, plan_units
 
 
 class Block(nn.Module):
@@ -101,7 +101,7 @@ def test_shard_modules_that_match_nothing_name_the_model_classes():
 
 def test_shard_modules_that_match_only_in_part_say_which_did(caplog):
     model = nn.Sequential(Block(8), Block(8))
-    with caplog.at_level(logging.INFO, logger="zero_strategy.engine.unit_plan"):
+    with caplog.at_level(logging.INFO, logger="zero_strategy.engine.params.plan"):
         plan = plan_units(model, shard_modules=["Block", "GPT2Block", nn.Embedding], persist_numel=0)
     assert [u.name for u in plan.units] == ["0", "1"]
     assert "['Block'] matched" in caplog.text and "'GPT2Block', 'Embedding'" in caplog.text

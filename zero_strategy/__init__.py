@@ -21,6 +21,8 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .names import STRATEGY_NAMES, register_names
+
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below imports these
     from .activation import (SavedActivationMeter, apply_activation_checkpointing, offload_activations,
                              saved_activation_bytes)
@@ -32,11 +34,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
     from .deepspeed.launch import init_distributed
     from .deepspeed.unsupported import init_inference
     from .engine import ZeroOptimizer
+    from .engine.diagnose.watchdog import CollectiveError, UnitOrderError
     from .engine.join import Join
-    from .engine.parameters import gathered_parameters
-    from .engine.watchdog import CollectiveError, UnitOrderError
-    from .generation import any_rank_busy
+    from .engine.params.flat_parameters import gathered_parameters
     from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
+    from .generation import any_rank_busy
     from .memory import count_parameters, estimate_memory, memory_stats
     from .precision import ZeroPrecision
     from .strategy import ZeroStrategy
@@ -105,17 +107,6 @@ def __dir__() -> list[str]:
 # "zero_stage_3")`` after a bare ``import zero_strategy`` would fail), and importing Lightning when
 # it is installed (the seconds this note is about).
 
-STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
-    # name: (description, ZeroStrategy and ZeroFabricStrategy arguments)
-    "zero_stage_1": ("ZeRO stage 1", {"stage": 1}),
-    "zero_stage_2": ("ZeRO stage 2", {"stage": 2}),
-    "zero_stage_3": ("ZeRO stage 3", {"stage": 3}),
-    "zero_stage_2_offload": ("ZeRO stage 2, optimizer state and master weights in host memory",
-                             {"stage": 2, "offload_optimizer": True}),
-    "zero_stage_3_offload": ("ZeRO stage 3, optimizer state, master weights and parameter shards in host memory",
-                             {"stage": 3, "offload_optimizer": True, "offload_params": True}),
-}
-"""The names ``Trainer(strategy=...)`` and ``Fabric(strategy=...)`` accept, with what each one sets."""
 
 
 def _zero_strategy(**kwargs: Any) -> Any:
@@ -148,10 +139,7 @@ def register_strategy_names(registry: Any, strategy: Optional[Callable[..., Any]
     if strategy is None:
         strategy = next((build for module, (attribute, build) in _REGISTRIES.items()
                          if getattr(sys.modules.get(module), attribute, None) is registry), _zero_strategy)
-    label = _LABELS.get(strategy, getattr(strategy, "__name__", "ZeRO"))
-    for name, (description, kwargs) in STRATEGY_NAMES.items():
-        if name not in registry:
-            registry.register(name, strategy, description=f"{description} ({label})", **kwargs)
+    register_names(registry, strategy, _LABELS.get(strategy, getattr(strategy, "__name__", "ZeRO")))
 
 
 def _register_with_loaded_lightning() -> None:

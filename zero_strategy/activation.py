@@ -42,8 +42,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from .engine.unit_plan import ModuleTarget as Target
-from .engine.unit_plan import module_matches, target_name
+from .engine.params.plan import ModuleTarget as Target
+from .engine.params.plan import module_matches, target_name
 
 __all__ = [
     "SavedActivationMeter",
@@ -122,8 +122,7 @@ def offload_activations_in_forward(module: nn.Module) -> None:
     ``training_step``, ``initialize``'s ``forward``): Fabric has none, and the setting was accepted
     there and never entered. So the engine's setup puts these hooks on the module itself. The
     pre-hook goes first and the post-hook (which runs even when the forward raised) is added after
-    the stage-3 sharder's: saved-tensor hooks are a stack, and the units' own (see [Note: saved
-    weights] in engine/saved_weights.py) must be pushed inside ours and popped before. A front end's
+    the stage-3 sharder's: saved-tensor hooks are a stack, and the units' own (see [Note: saved weights] in engine/params/saved_weights.py) must be pushed inside ours and popped before. A front end's
     wrapper around a larger region stays outside and takes what is saved beyond the forward (a loss).
     Applying again changes nothing; ``remove_activation_offload`` undoes it.
     """

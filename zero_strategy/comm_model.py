@@ -2,27 +2,27 @@
 
 [Note: the communication model]
 ``predict_step_bytes`` lays the model out exactly as the engine will (the same unit plan, flat
-groups and segments, from engine/unit_plan.py and engine/layout.py, on a module that may live on
+groups and segments, from engine/params/plan.py and engine/buffers/layout.py, on a module that may live on
 the meta device) and lists the collectives of one training step:
 
 - stage 3, forward: the root unit's all-gathers, then each unit's, once (quantized with
   ``quantized_weights``); backward: each unit's again (from the secondary partition, within its
   group, with ``secondary_partition_size``); with the order guard on, each of these all-gathers
   carries 16 bytes of header per rank of its group (see [Note: the collective header] in
-  engine/collective_header.py), except on gloo (``backend="gloo"``) those of 1 MiB or more (see
-  [Note: headers left out on gloo] in engine/order_guard.py);
+  engine/diagnose/header.py), except on gloo (``backend="gloo"``) those of 1 MiB or more (see
+  [Note: headers left out on gloo] in engine/comm/order_guard.py);
 - every stage: one reduce-scatter per gradient segment (stages 2-3 in backward, per micro-batch;
   stage 1 once, before the step), quantized with ``quantized_gradients``;
 - the step: one all-reduce of a byte per trainable parameter (which got a gradient), one of the
   overflow flag (fp16 loss scaling), one of the clipping norm (8 bytes), then the all-gathers of
   the parameters kept whole (every one at stages 1-2; the small, resident ones at stage 3).
-- with ``shard_group_size=K`` (hybrid sharding: [Note: hybrid sharding] in engine/hybrid.py) the
+- with ``shard_group_size=K`` (hybrid sharding: [Note: hybrid sharding] in engine/comm/topology.py) the
   groups are planned for K ranks, and every all-gather, reduce-scatter, the overflow flag and the
   norm run over the shard group of K; each reduce-scatter is followed by an all-reduce of its
   shard across the N/K replicas (with accumulation, at the boundary's backward only, unless
   ``replica_all_reduce="every_backward"``), and only the gradient mask stays over all N.
 
-Each is costed by engine/comm_volume.py's ``sent_bytes`` (see [Note: bytes sent] there) and filed
+Each is costed by engine/comm/volume.py's ``sent_bytes`` (see [Note: bytes sent] there) and filed
 as intra- or inter-node by its group, as the engine's counter files it, so a real run's
 ``comm_stats()`` equals the prediction to the byte. It assumes what the engine's order assumes:
 every unit runs once per forward and is reached by backward (a block called twice is gathered
@@ -42,16 +42,16 @@ import torch
 from torch import nn
 
 from .config import ZeroConfig
-from .engine.collective_header import HEADER_BYTES
-from .engine.collectives import BROADCAST_GATHER_BYTES
-from .engine.comm_volume import CommCounter, NodeLayout, sent_bytes
-from .engine.flat import _ONE_SEGMENT
-from .engine.hybrid import resolve_shard_group_size
-from .engine.layout import GroupLayout, align_elements, plan_group
-from .engine.parameters import split_groups
-from .engine.quantize import QuantSpec, packed_row_bytes
-from .engine.step_tally import TALLY_BYTES
-from .engine.unit_plan import plan_units
+from .engine.diagnose.header import HEADER_BYTES
+from .engine.comm.collectives import BROADCAST_GATHER_BYTES
+from .engine.comm.volume import CommCounter, NodeLayout, sent_bytes
+from .engine.buffers.flat import _ONE_SEGMENT
+from .engine.comm.topology import resolve_shard_group_size
+from .engine.buffers.layout import GroupLayout, align_elements, plan_group
+from .engine.params.flat_parameters import split_groups
+from .engine.comm.quantize import QuantSpec, packed_row_bytes
+from .engine.diagnose.tally import TALLY_BYTES
+from .engine.params.plan import plan_units
 
 PHASES = ("forward", "backward", "step")
 """Where a training step's collectives happen (``predict_step_bytes(by_phase=True)``)."""
@@ -108,7 +108,7 @@ class _Step:
     """The collectives of one step, counted as the engine's counter counts them. ``shards`` is the
     number of ranks the flat groups are sharded over: the world's, or a shard group's under hybrid
     sharding, whose shards are then all-reduced over ``world_size / shards`` replicas (see [Note:
-    hybrid sharding] in engine/hybrid.py); intra- or inter-node is rank 0's groups'."""
+    hybrid sharding] in engine/comm/topology.py); intra- or inter-node is rank 0's groups'."""
 
     def __init__(self, nodes: NodeLayout, shards: int, gloo: bool = False) -> None:
         self.nodes = nodes
@@ -164,7 +164,7 @@ class _Step:
 
 def _groups(params: Sequence[nn.Parameter], config: ZeroConfig, world_size: int, element_size: Optional[int],
             one_segment: bool) -> list[_Group]:
-    """The flat groups the sharder builds over ``params`` (see engine/parameters.py ``_flatten``)."""
+    """The flat groups the sharder builds over ``params`` (see engine/params/flat_parameters.py ``_flatten``)."""
     out = []
     for ps in split_groups(params, {}):
         size = element_size or ps[0].element_size()
@@ -182,11 +182,11 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     communication model]): the keys of ``comm_stats()``. ``dtype`` is the working weights' (default:
     the parameters' own); ``loss_scaling``
     (fp16) and ``clipping`` add their small all-reduces; ``order_checked``: the order guard's headers
-    ride in the stage-3 all-gathers (see [Note: order guard] in engine/order_guard.py; False: as
+    ride in the stage-3 all-gathers (see [Note: order guard] in engine/comm/order_guard.py; False: as
     with the guard turned off). With ``by_phase`` the same, per phase
     ("forward", "backward", "step"). ``backend``: the process group's; on "gloo" the stage-3
     all-gathers of 1 MiB or more send no header (see [Note: headers left out on gloo] in
-    engine/order_guard.py).
+    engine/comm/order_guard.py).
     ``module`` may be on the meta device.
     """
     if accumulation_steps < 1:
@@ -227,7 +227,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
                     step.gather(g, weights_q, shards, step.shard_inter, guard)
         boundary = micro == accumulation_steps - 1
         if config.stage >= 2 and (not config.local_accumulation or boundary):
-            for g in trainable:  # local accumulation: once, at the boundary (see engine/local_accumulation.py)
+            for g in trainable:  # local accumulation: once, at the boundary (see engine/grads/accumulation.py)
                 step.reduce(g, grads_q, sum_replicas=boundary or config.replica_all_reduce == "every_backward")
     step.phase = "step"
     if config.stage == 1:
@@ -235,7 +235,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
             step.reduce(g, grads_q)
     flags = sum(len(g.layout.numels) for g in trainable)
     if flags:
-        # which parameters got a gradient, one byte each, and the tally (see engine/step_tally.py)
+        # which parameters got a gradient, one byte each, and the tally (see engine/diagnose/tally.py)
         step.world_collective("all_reduce", flags + TALLY_BYTES)
     if loss_scaling:  # over the shard group: the replicas hold the same reduced shards
         step.shard_collective("all_reduce", 1)  # the overflow flag

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 
 if TYPE_CHECKING:
-    from .engine.quantize import QuantSpec
+    from .engine.comm.quantize import QuantSpec
 
 SUPPORTED_STAGES = (1, 2, 3)
 GRAD_ACCUM_DTYPES = ("fp32", "working")
 """What ``grad_accum_dtype`` takes: fp32, or the working weights' dtype (bf16/fp16/fp32)."""
 REPLICA_ALL_REDUCE = ("boundary", "every_backward")
-"""What ``replica_all_reduce`` takes (hybrid sharding: see [Note: hybrid sharding] in engine/hybrid.py)."""
+"""What ``replica_all_reduce`` takes (hybrid sharding: see [Note: hybrid sharding] in engine/comm/topology.py)."""
 
 MIN_MMAP_THRESHOLD_MB, MAX_MMAP_THRESHOLD_MB = 0.125, 32
 """glibc's first mmap threshold and its largest on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``):
@@ -46,8 +46,7 @@ class ZeroConfig:
     all-gather around their forward and backward, e.g. ("Block",) for a transformer's layers."""
 
     unit_params: Optional[int] = None
-    """Stage 3 without shard_modules: the size units are cut to, in parameters (see [Note: default
-    units] in engine/unit_plan.py). None: one bucket, and at most an eighth of the model."""
+    """Stage 3 without shard_modules: the size units are cut to, in parameters (see [Note: default units] in engine/params/plan.py). None: one bucket, and at most an eighth of the model."""
 
     param_persistence_threshold: int = 100_000
     """Stage 3: parameters with fewer elements stay whole on every rank (biases, norms): gathering
@@ -87,7 +86,7 @@ class ZeroConfig:
     """With offload_optimizer at stage 2 or 3: start each segment's host update during backward, as soon
     as its reduced gradient reaches the host, and commit it at the step where it is the step's own
     (DeepSpeed's ``super_offload``). Equal results; costs host memory, a copy of the masters and of the
-    state (see [Note: the overlapped host step] in engine/overlap.py). Off by default: it helps only
+    state (see [Note: the overlapped host step] in engine/optim/step/overlap.py). Off by default: it helps only
     where the device computes while the host is idle."""
 
     activation_checkpointing: tuple[Union[str, type], ...] = ()
@@ -103,7 +102,7 @@ class ZeroConfig:
     check_unit_order: bool = True
     """Stage 3: every unit's all-gathers carry what each rank gathers them for, and every rank checks
     them before using the weights, raising naming what each rank was doing if they differ (see
-    [Note: order guard] in engine/order_guard.py), at every pass."""
+    [Note: order guard] in engine/comm/order_guard.py), at every pass."""
 
     unit_order_wait: float = 5.0
     """Stage 3, seconds: a rank that has waited this long for a unit's all-gather posts what it gathers
@@ -116,14 +115,14 @@ class ZeroConfig:
 
     collective_timeout: Optional[float] = 600.0
     """Seconds a gloo collective of the engine may wait before the process ends, printing what it
-    waited for (see [Note: hang watchdog] in engine/watchdog.py); None: wait for the process group's
+    waited for (see [Note: hang watchdog] in engine/diagnose/watchdog.py); None: wait for the process group's
     timeout. 10 minutes is a third of the process group's default of 30: a healthy collective never
     waits that long, while a rank held up by a slow checkpoint write or a long validation still has time."""
 
     cpu_mmap_threshold_mb: Optional[float] = 4.0
     """On CPU with glibc: blocks of this many MiB or more get pages of their own from malloc, given
     back to the system when freed, so that the memory a step frees leaves the process (see [Note:
-    glibc's mmap threshold] in engine/malloc.py). Set for the whole process, for good, when the
+    glibc's mmap threshold] in engine/buffers/malloc.py). Set for the whole process, for good, when the
     engine is set up, unless the process was started with ``MALLOC_MMAP_THRESHOLD_`` or a
     ``GLIBC_TUNABLES`` threshold (kept); from 0.125 (glibc's own starting value) to 32 (its limit).
     None sets nothing: glibc's heap then keeps freed blocks (unless set earlier in the process)."""
@@ -138,7 +137,7 @@ class ZeroConfig:
     quantized_gradients: Union[bool, str, None] = None
     """Reduce gradients as block-quantized chunks, "int8" or "int4" (True: "int8"; ZeRO++'s qgZ),
     dequantized and summed in fp32 on the receiving rank, so rounding errors do not add up along a
-    ring (see [Note: quantized reduce-scatter] in engine/collectives.py). Stages 1-3."""
+    ring (see [Note: quantized reduce-scatter] in engine/comm/collectives.py). Stages 1-3."""
 
     quantization_block_size: int = 256
     """Elements per fp32 scale of quantized_weights and quantized_gradients: a smaller block follows
@@ -163,8 +162,8 @@ class ZeroConfig:
     ``stochastic_rounding=False``; any optimizer of ``ELEMENTWISE_OPTIMIZERS``) or "int8" (block-wise
     codes with one fp32 scale per ``optimizer_state_block_size`` elements, a signed dynamic map for
     first moments and momenta, an unsigned one for second moments: see [Note: int8 state] in
-    engine/lowp.py; Adam, AdamW and SGD only). The update itself is the user's optimizer's, in fp32,
-    a tile at a time (see [Note: the low-precision step] in engine/step_lowp.py). Parameters of fewer
+    engine/optim/lowp.py; Adam, AdamW and SGD only). The update itself is the user's optimizer's, in fp32,
+    a tile at a time (see [Note: the low-precision step] in engine/optim/step/lowp.py). Parameters of fewer
     than ``optimizer_state_min_numel`` elements keep fp32 state. With ``offload_optimizer`` the state
     is stored encoded in host memory; ``offload_dir`` and ``offload_overlap`` are refused with it."""
 
@@ -178,7 +177,7 @@ class ZeroConfig:
 
     stochastic_rounding: bool = True
     """Round bf16 masters and bf16 optimizer state stochastically (unbiased: small updates add up on
-    average; see [Note: stochastic rounding] in engine/lowp.py); False: to nearest."""
+    average; see [Note: stochastic rounding] in engine/optim/lowp.py); False: to nearest."""
 
     stochastic_rounding_seed: int = 0
     """Seed of the stochastic rounding's random bits, which hash (seed, step, parameter, element
@@ -192,7 +191,7 @@ class ZeroConfig:
     """Parameters with fewer elements keep fp32 optimizer state (biases, norms), as the published
     8-bit optimizers do: they cost little and are the most sensitive."""
 
-    # ---- local accumulation (issue 32): see [Note: local accumulation] in engine/local_accumulation.py
+    # ---- local accumulation (issue 32): see [Note: local accumulation] in engine/grads/accumulation.py
     local_accumulation: bool = False
     """Stages 2-3: micro-batches before an accumulation boundary (inside Lightning's accumulation,
     ``fabric.no_backward_sync``, or before ``initialize``'s boundary) add their gradients into a
@@ -207,7 +206,7 @@ class ZeroConfig:
     Without local_accumulation gradients accumulate in their reduced shard, in the working dtype,
     whatever this says. DeepSpeed's ``data_types.grad_accum_dtype`` maps onto it."""
 
-    # ---- hybrid sharding (issue 32): see [Note: hybrid sharding] in engine/hybrid.py
+    # ---- hybrid sharding (issue 32): see [Note: hybrid sharding] in engine/comm/topology.py
     shard_group_size: Union[int, str, None] = None
     """HSDP (DeepSpeed's MiCS): shard over groups of this many consecutive ranks and replicate over
     the world size / K groups, an int K dividing the world size or "node" (the ranks of one node).
@@ -220,7 +219,7 @@ class ZeroConfig:
     all-reduced across the shard groups. "boundary" (the default, as MiCS): once per optimizer step,
     the micro-batches before it summed within the group into the shard (no extra memory; only the
     order of additions differs); "every_backward": after each micro-batch's reduce-scatter, as
-    without accumulation. See [Note: hybrid sharding] in engine/hybrid.py."""
+    without accumulation. See [Note: hybrid sharding] in engine/comm/topology.py."""
 
     def _check_shard_group_size(self) -> None:
         size = self.shard_group_size
@@ -341,7 +340,7 @@ class ZeroConfig:
 
     @property
     def low_precision_step(self) -> bool:
-        """Whether the step stores state or masters in fewer bits (see engine/step_lowp.py)."""
+        """Whether the step stores state or masters in fewer bits (see engine/optim/step/lowp.py)."""
         return self.optimizer_state_dtype != "fp32" or self.master_weights_dtype != "fp32"
 
     @property
@@ -423,14 +422,14 @@ class ZeroConfig:
     @property
     def weight_quantization(self) -> Optional[QuantSpec]:
         """How stage 3's all-gathers quantize (None: they do not)."""
-        from .engine.quantize import QuantSpec
+        from .engine.comm.quantize import QuantSpec
 
         return QuantSpec(8, self.quantization_block_size) if self.quantized_weights else None
 
     @property
     def gradient_quantization(self) -> Optional[QuantSpec]:
         """How gradient reductions quantize (None: they do not)."""
-        from .engine.quantize import QuantSpec
+        from .engine.comm.quantize import QuantSpec
 
         grads = self.quantized_gradients
         return QuantSpec(8 if grads == "int8" else 4, self.quantization_block_size) if grads else None

@@ -26,7 +26,7 @@ checkpoint written here resumes under the Trainer and the other way round.
   model computes in bf16 with or without it. Outputs go back to fp32, as DeepSpeed's plugin does.
 - ``init_module(empty_init=True)``: at stage 3 the model's construction is recorded on meta and
   replayed unit by unit in setup, each rank keeping its shards (the same values as an eager build:
-  see [Note: recorded construction] in engine/deferred_init.py), and ``from_pretrained`` inside it
+  see [Note: recorded construction] in engine/params/deferred_init.py), and ``from_pretrained`` inside it
   streams its files into the shards (see [Note: pretrained weights into shards] in pretrained.py);
   at stages 1-2 the initialisation is skipped, for a checkpoint to be loaded next.
   ``fabric.load_raw(path, model)`` of safetensors weights (a file, or a Hugging Face directory)
@@ -62,7 +62,8 @@ from torch.optim import Optimizer
 
 from .config import ZeroConfig
 from .engine import Collectives, ZeroOptimizer
-from .engine.local_accumulation import deferred_reduction, defers
+from .names import register_names
+from .engine.grads.accumulation import deferred_reduction, defers
 from .frontend import (EngineModel, WorkingPrecision, add_optimizers, clip_grad_norm, clip_grad_value,
                        load_full_model, move_module, setup_engine)
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
@@ -142,7 +143,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         if not enabled:
             return nullcontext()
         engine = self.strategy._engine_of(module, "fabric.no_backward_sync(model)")
-        if defers(engine.optimizers):  # see [Note: local accumulation] in engine/local_accumulation.py
+        if defers(engine.optimizers):  # see [Note: local accumulation] in engine/grads/accumulation.py
             return deferred_reduction(engine.optimizers)
         if self.strategy.config.stage >= 2 and not self.warned:
             self.warned = True
@@ -273,7 +274,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
 
     @property
     def comm(self) -> Collectives:
-        """The engine's collectives over the whole world (see engine/collectives.py)."""
+        """The engine's collectives over the whole world (see engine/comm/collectives.py)."""
         if self._comm is None:
             raise RuntimeError("ZeroFabricStrategy has no process group yet: call fabric.launch() (or run under the "
                                "Fabric CLI, torchrun or srun) before setting up models.")
@@ -283,7 +284,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Stage 3 with ``empty_init=True``: on the meta device, materialised unit by unit in setup, so the
-        model never exists whole on a rank (see [Note: init-time sharding] in engine/materialize.py)."""
+        model never exists whole on a rank (see [Note: init-time sharding] in engine/params/materialize.py)."""
         if self.config.stage == 3 and empty_init:
             stack = ExitStack()
             stack.enter_context(sharded_init())  # recorded on meta; from_pretrained streams (pretrained.py)
@@ -460,9 +461,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``zero_stage_1`` ... ``zero_stage_3_offload`` (``zero_strategy.STRATEGY_NAMES``) in Fabric's
         registry; safe to call more than once. ``import zero_strategy`` does it already."""
-        from . import register_strategy_names
-
-        register_strategy_names(strategy_registry, cls)
+        register_names(strategy_registry, cls, cls.__name__)
 
 
 def _zero_optimizer(optimizer: Any, call: str) -> ZeroOptimizer:

@@ -2,7 +2,7 @@
 
 [Note: synced generation]
 At stage 3 every forward gathers each unit's parameters from every rank, so every rank must run
-the same number of forwards (see [Note: order guard] in engine/order_guard.py). ``generate()``
+the same number of forwards (see [Note: order guard] in engine/comm/order_guard.py). ``generate()``
 does not: a rank whose sequences end (EOS, a shorter ``max_new_tokens``) leaves the loop, and the
 others wait in a gather it never joins. Hugging Face's ``GenerationMixin.generate`` has the remedy,
 ``synced_gpus=True``: a rank that is done keeps running forwards (and throws their results away)
@@ -13,8 +13,7 @@ every front end, see [Note: the order of setup] in frontend/setup.py) replaces `
 Hugging Face generation module inside a model sharded at stage 3 over more than one rank, on that
 instance only, by one that passes ``synced_gpus=True`` unless the caller passed ``synced_gpus``
 itself. peft's ``PeftModel.generate`` calls its base model's ``generate``, so it goes through the
-same instance. Each call also posts its start and end on the rank board (see [Note: the rank
-board] in engine/rank_board.py), so that ``generate()`` on one rank only is an error that says so.
+same instance. Each call also posts its start and end on the rank board (see [Note: the rank board] in engine/diagnose/rank_board.py), so that ``generate()`` on one rank only is an error that says so.
 
 Decoding loops of one's own (not ``generate()``) stay in step the same way: loop while
 ``any_rank_busy(not done)``, running the step on a dummy input on ranks that are done.
@@ -32,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine import rank_board
-from .engine.collectives import Collectives
-from .engine.watchdog import CollectiveError
+from .engine.diagnose import rank_board
+from .engine.comm.collectives import Collectives
+from .engine.diagnose.watchdog import CollectiveError
 
 __all__ = ["any_rank_busy", "sync_generation"]
 

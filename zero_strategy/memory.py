@@ -6,7 +6,7 @@ weights), and ``total``; and where those bytes live: ``device``, ``host`` (offlo
 memory) and ``disk`` (optimizer state in ``offload_dir``), which add up to ``total``.
 ``memory_stats`` also reports ``workspace``: the engine's reusable transient buffers held free
 between uses (stage 3's gather buffers, the gradient staging buffers: see [Note: reused buffers] in
-engine/pool.py). Like activations, they are not model state: the formula has no term for them, and
+engine/buffers/pool.py). Like activations, they are not model state: the formula has no term for them, and
 they are not in ``total``.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from .checkpoint.background import checkpoint_buffer_bytes
 from .engine import ZeroOptimizer
-from .engine.parameters import owner_of, owners_of
+from .engine.params.flat_parameters import owner_of, owners_of
 
 KEYS = ("params", "grads", "optimizer_states", "master_params")
 LOCATIONS = ("device", "host", "disk")
@@ -26,7 +26,7 @@ LOCATIONS = ("device", "host", "disk")
 # [Note: precision names]
 # The one table of the precisions this package trains in, named as Lightning's Trainer(precision=...)
 # names them: the dtype of the working weights and gradients. "-mixed" adds an fp32 master copy of
-# each rank's shard (see [Note: precision] in precision.py), "-true" keeps none; fp32 weights are
+# each rank's shard (see [Note: precision] in frontend/precision.py), "-true" keeps none; fp32 weights are
 # their own master. ZeroPrecision (precision.py) and the memory formula below both read it.
 PRECISION_DTYPES: dict[str, torch.dtype] = {
     "32-true": torch.float32,
@@ -91,14 +91,14 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     the rank's share of what a checkpoint holds, its pieces of the weights, masters and state.
 
     ``optimizer_state_dtype`` and ``master_weights_dtype`` (see ZeroConfig) count the low-precision
-    step's bytes (engine/step_lowp.py): the state elements (``optimizer_state_bytes`` / 4 of them,
+    step's bytes (engine/optim/step/lowp.py): the state elements (``optimizer_state_bytes`` / 4 of them,
     Adam's 2 by default) at 4 (fp32), 2 (bf16) or 1 + 4 / ``optimizer_state_block_size`` (int8 and
     its scales) bytes each, and no master copy with bf16 masters (the working weights, bf16 only).
     Every parameter is counted as large (``optimizer_state_min_numel`` keeps fp32 state for small
     ones: a few per cent of a transformer's bytes at most).
     ``local_accumulation`` (stages 2-3) adds the full-size local gradient buffer to the device's
     ``grads``: 4 bytes per trainable parameter with ``grad_accum_dtype="fp32"``, the working dtype's with
-    "working" (see [Note: local accumulation] in engine/local_accumulation.py).
+    "working" (see [Note: local accumulation] in engine/grads/accumulation.py).
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params={num_params!r} must be a non-negative integer")
@@ -230,7 +230,7 @@ def memory_stats(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
     stats["optimizer_states"] = disk + count(
         [*(v for o in optimizers for s in o.state.values()  # a ZeroOptimizer's: its inner optimizer's
            for v in s.values()), *(t for o in zero for t in o.memory_tensors()["pending_states"]),
-         *(t for o in zero for t in o.memory_tensors()["stored_states"])]  # int8/bf16 state (step_lowp.py)
+         *(t for o in zero for t in o.memory_tensors()["stored_states"])]  # int8/bf16 state (engine/optim/step/lowp.py)
     )
     stats["total"] = sum(stats[k] for k in KEYS)
     stats["workspace"] = count([*(t for s in sharders for t in s.workspace_tensors()),

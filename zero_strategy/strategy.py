@@ -36,10 +36,11 @@ from .checkpoint.sharded import masters_from_state_dict, on_every_rank
 from .config import ZeroConfig
 from .deepspeed.config import DeepSpeedSettings
 from .deepspeed.trainer import DeepSpeedConfig, apply_to_trainer, check_batch_size, optimizers_from_config
-from .engine import Collectives, ParameterSharder, ZeroOptimizer
-from .engine.local_accumulation import deferred_reduction
-from .engine.rank_board import mark
-from .engine.watchdog import install_sigterm_handler
+from .engine import Collectives, FlatParameters, ZeroOptimizer
+from .names import register_names
+from .engine.grads.accumulation import deferred_reduction
+from .engine.diagnose.rank_board import mark
+from .engine.diagnose.watchdog import install_sigterm_handler
 from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,
                        load_sharded_optimizers, move_module, open_sharded, read_deepspeed, save_sharded_model,
                        setup_engine)
@@ -158,7 +159,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         self._timeout = options.timeout
         self._start_method = options.start_method
         self._comm: Optional[Collectives] = None  # every collective of the engine, once the process group exists
-        self._sharder: Optional[ParameterSharder] = None  # the model's flat groups, once set up
+        self._sharder: Optional[FlatParameters] = None  # the model's flat groups, once set up
         self._saver: Optional[BackgroundSaver] = None  # with async_save, once set up
 
     # ---- what Lightning asks about the layout of processes ---------------------------------
@@ -194,7 +195,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
 
     @property
     def comm(self) -> Collectives:
-        """The engine's collectives over the whole world (see engine/collectives.py)."""
+        """The engine's collectives over the whole world (see engine/comm/collectives.py)."""
         if self._comm is None:  # a world of one without a process group (tests that skip setup_environment)
             self._comm = self._world_collectives()
         return self._comm
@@ -269,7 +270,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: modules built in ``configure_model`` go on the meta device, so the model never
-        exists whole on one rank (see [Note: init-time sharding] in engine/materialize.py)."""
+        exists whole on one rank (see [Note: init-time sharding] in engine/params/materialize.py)."""
         if self.config.stage != 3:
             yield
             return
@@ -280,7 +281,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return self.config.stage == 3  # weights are loaded into the shards, which setup creates
 
-    # ---- a hung collective ends the job: see [Note: hang watchdog] in engine/watchdog.py ----------
+    # ---- a hung collective ends the job: see [Note: hang watchdog] in engine/diagnose/watchdog.py ----------
 
     def on_train_start(self) -> None:
         install_sigterm_handler()  # after the Trainer installed its own, which it keeps calling
@@ -292,7 +293,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
 
     def on_validation_end(self) -> None:
         self.comm.begin_step()  # validation's gathers are not the next training step's bytes (comm_stats)
-        mark("ended validation")  # the loops' ends: see [Note: the rank board] in engine/rank_board.py
+        mark("ended validation")  # the loops' ends: see [Note: the rank board] in engine/diagnose/rank_board.py
 
     def on_test_start(self) -> None:
         install_sigterm_handler()
@@ -427,7 +428,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """The Trainer's micro-batches before an accumulation boundary: with ``local_accumulation``
         (stages 2-3) their backward adds into local buffers and the boundary's reduces once (see [Note:
-        local accumulation] in engine/local_accumulation.py); otherwise each backward reduces as usual."""
+        local accumulation] in engine/grads/accumulation.py); otherwise each backward reduces as usual."""
         with deferred_reduction(self._zero_optimizers):
             yield
 
@@ -480,6 +481,4 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         """Register ``zero_stage_1``, ``zero_stage_2``, ``zero_stage_3`` and the offload variants
         (``zero_strategy.STRATEGY_NAMES``) with this class; safe to call more than once. ``import
         zero_strategy`` does it already (see [Note: registering with Lightning lazily])."""
-        from . import register_strategy_names
-
-        register_strategy_names(strategy_registry, cls)
+        register_names(strategy_registry, cls, cls.__name__)

@@ -65,7 +65,7 @@ def engine_case(case: str) -> None:
     import torch.distributed as dist
 
     from zero_strategy.engine import Collectives
-    from zero_strategy.engine.watchdog import install_sigterm_handler
+    from zero_strategy.engine.diagnose.watchdog import install_sigterm_handler
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> None:
         "built_on": model.built_on,
         "metrics": fit_metrics, "world_size": fit_trainer.world_size,
         # whole at every stage (a collective); ZeroStrategy's lightning_module_state_dict is empty: see
-        # [Note: checkpoint layout]
+        # [Note: checkpoint layout] in zero_strategy/checkpoint/store.py
         "params": strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else strategy.lightning_module_state_dict(),
     }, os.path.join(args.out, f"rank{rank}.pt"))
 

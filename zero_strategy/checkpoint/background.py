@@ -2,7 +2,7 @@
 
 [Note: saving in the background]
 A save has two parts. The foreground part, on the training thread, is what must see the model as it
-is at the save: rank 0 makes the partial directory (see [Note: atomic save] in store.py), and every
+is at the save: rank 0 makes the partial directory (see [Note: atomic save] in checkpoint/store.py), and every
 rank copies its pieces of the weights, masters and optimizer state into host buffers (hashing them
 as it copies, see [Note: checksums]) and takes what the index needs from the module and the
 optimizers (their keys, param groups, the front end's state, deep-copied). Then ``save_checkpoint``
@@ -35,17 +35,25 @@ import logging
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from pathlib import Path
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.collectives import Collectives
+from ..engine.comm.collectives import Collectives
 from .store import CheckpointError
 
-if TYPE_CHECKING:
-    from .sharded import _Snapshot
+
+class Snapshot(Protocol):
+    """A save whose foreground part is done (sharded.py's ``_Snapshot``; a Protocol, so that this module
+    needs no import of sharded.py, which imports it)."""
+
+    path: Path
+
+    def write(self, comm: Collectives) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +77,7 @@ class BackgroundSaver:
 
     # ---- the save --------------------------------------------------------------------------
 
-    def start(self, snapshot: "_Snapshot", comm: Collectives) -> None:
+    def start(self, snapshot: Snapshot, comm: Collectives) -> None:
         """Write ``snapshot`` on the writer thread; ``comm`` is the training group, whose ranks agree
         over a group of their own (made now, once: a collective)."""
         self.wait()
@@ -78,7 +86,7 @@ class BackgroundSaver:
         self._thread = threading.Thread(target=self._write, args=(snapshot, side), name="zero-checkpoint-writer")
         self._thread.start()
 
-    def _write(self, snapshot: "_Snapshot", side: Collectives) -> None:
+    def _write(self, snapshot: Snapshot, side: Collectives) -> None:
         try:
             snapshot.write(side)
         except BaseException as err:  # raised to the training thread at the next save or the end

@@ -43,7 +43,7 @@ def full_optimizer_states(reader: CheckpointReader, saved: dict[str, Any]) -> Op
 
 def _whole(reader: CheckpointReader, rec: dict[str, Any], i: int, key: str, name: str) -> torch.Tensor:
     """A whole state tensor; bf16 and int8 state decoded to fp32 (see [Note: stored optimizer state] in
-    sharded.py)."""
+    checkpoint/sharded.py)."""
     source = state_source(reader, rec, i, key, name)
     if isinstance(source, StoredTensor):
         value = reader.full(optim_name(i, key, name))

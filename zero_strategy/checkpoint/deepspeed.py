@@ -5,7 +5,7 @@ Lightning's DeepSpeedStrategy) back together as the dict a single-process run wo
 whole fp32 weights, the optimizer state in torch's unsharded layout, and the client state. Loading
 that dict is this package's regular path, so any world size and stage can resume from it.
 ``consolidate_deepspeed_checkpoint`` writes it as one file. No DeepSpeed install is needed, and no
-pickled code runs: see [Note: safe unpickling of DeepSpeed files] in deepspeed_files.py.
+pickled code runs: see [Note: safe unpickling of DeepSpeed files] in checkpoint/deepspeed_files.py.
 
 [Note: DeepSpeed flat partitions]
 DeepSpeed steps one flat fp32 tensor per param group (stage 3: per sub-group), cut into one
@@ -330,7 +330,7 @@ def _lightning_defaults(checkpoint: dict[str, Any], model: dict[str, Any]) -> No
 
 
 def _loss_scaler(scaler: dict[str, Any], skipped_steps: int) -> dict[str, Any]:
-    """DeepSpeed's fp16 loss scaler as this package's LossScaler fields (engine/scaler.py)."""
+    """DeepSpeed's fp16 loss scaler as this package's LossScaler fields (engine/grads/scaler.py)."""
     if not scaler.get("dynamic"):
         return {"scale": float(scaler["cur_scale"]), "dynamic": False, "skipped_steps": int(skipped_steps)}
     # LossScaler moves the scale as DeepSpeed does (see [Note: DeepSpeed's dynamic loss scale]). Its

@@ -1,5 +1,5 @@
 """Names, dtypes and checksums of the sharded checkpoint format (see [Note: checkpoint layout] and
-[Note: checksums] in store.py), shared by the writer, the reader and the index's validation."""
+[Note: checksums] in checkpoint/store.py), shared by the writer, the reader and the index's validation."""
 
 from __future__ import annotations
 

@@ -35,8 +35,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..engine.collectives import Collectives
-from ..engine.flat import FlatGroup
+from ..engine.comm.collectives import Collectives
+from ..engine.buffers.flat import FlatGroup
 from . import hf_layout as layout
 from .format import DTYPES
 from .hf_plan import Entry, ExportPlan, is_peft_model, is_pretrained_model, make_plan, plain_plan

@@ -16,7 +16,7 @@ difference between one weight matrix and 5 GB per export. The file is read back 
 
 [Note: an export directory swapped whole]
 The export is written into ``.<name>.partial`` beside ``OUT_DIR`` and moved into place with the
-checkpoint store's two renames (see [Note: atomic save] in store.py), so a crash leaves the previous
+checkpoint store's two renames (see [Note: atomic save] in checkpoint/store.py), so a crash leaves the previous
 export or the new one, never shards of both. Files of the existing directory that an export does
 not write (a tokenizer, a README) are hard-linked into the new one first (copied where links are
 not possible), so they survive; another directory inside it is refused before anything is written,

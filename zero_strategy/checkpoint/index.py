@@ -1,6 +1,6 @@
 """The index of a sharded checkpoint, validated field by field before anything reads it.
 
-See [Note: checkpoint layout] in store.py for what the fields mean.
+See [Note: checkpoint layout] in checkpoint/store.py for what the fields mean.
 """
 
 from __future__ import annotations

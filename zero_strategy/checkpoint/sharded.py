@@ -1,6 +1,6 @@
 """Sharded checkpoints of a ZeRO-trained module: each rank saves what it owns, and loads the ranges it needs.
 
-Names (see [Note: checkpoint layout] in store.py): ``model/<name>`` is a parameter's working weights
+Names (see [Note: checkpoint layout] in checkpoint/store.py): ``model/<name>`` is a parameter's working weights
 or a buffer, ``master/<name>`` the fp32 master copy of a low-precision parameter, and
 ``optim/<i>/<key>/<name>`` an elementwise state tensor (``exp_avg``...) of optimizer ``i``. A
 parameter's ``<name>`` is its first name in ``module.named_parameters()``; a tied parameter's other
@@ -10,13 +10,13 @@ stages 1 and 2, buffers) is whole on every rank, and rank 0 saves it.
 
 [Note: stored optimizer state]
 With ``optimizer_state_dtype`` "bf16" or "int8" a checkpoint keeps the state as the step stores it
-(engine/step_lowp.py), not decoded to fp32: bf16 values under the key's usual name, and int8 state
+(engine/optim/step/lowp.py), not decoded to fp32: bf16 values under the key's usual name, and int8 state
 as two tensors, ``optim/<i>/<key>:codes/<name>`` (uint8, one per element of the flattened
 parameter) and ``optim/<i>/<key>:scales/<name>`` (fp32, one per ``block`` elements from the
 parameter's start). The optimizer's record says so in ``stored_form`` (per parameter and key: the
 form, and for int8 the block, the map and the parameter's shape). In every layout of the same
 block the blocks start at multiples of ``block`` from the parameter's start (the flat layout pads to
-them: see [Note: blocks that survive a reshard] in engine/lowp.py), so each rank saves whole ranges
+them: see [Note: blocks that survive a reshard] in engine/optim/lowp.py), so each rank saves whole ranges
 of both tensors; a rank loading any other layout reads the blocks that cover its range and decodes
 them (``StoredInt8``). A load into the same dtype and block encodes the decoded values again, which
 gives the same codes (a decoded value encodes to itself); into another dtype it converts, with a log
@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..engine.collectives import Collectives
-from ..engine.lowp import Int8State
-from ..engine.flat import FlatGroup
-from ..engine.hybrid import HybridGroups
-from ..engine.optimizer import ZeroOptimizer
-from ..engine.parameters import ParameterSharder
-from ..engine.state import is_elementwise
+from ..engine.comm.collectives import Collectives
+from ..engine.optim.lowp import Int8State
+from ..engine.buffers.flat import FlatGroup
+from ..engine.comm.topology import HybridGroups
+from ..engine.optim.optimizer import ZeroOptimizer
+from ..engine.params.flat_parameters import FlatParameters
+from ..engine.optim.state import is_elementwise
 from . import store
 from .hf_plan import hf_record
 from .store import CheckpointError, CheckpointReader, RankWriter
@@ -63,27 +63,27 @@ def parameter_names(module: nn.Module) -> dict[nn.Parameter, str]:
     return {p: n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
 
 
-def flat_groups(optimizers: Sequence[ZeroOptimizer], sharder: Optional[ParameterSharder]) -> list[FlatGroup]:
+def flat_groups(optimizers: Sequence[ZeroOptimizer], sharder: Optional[FlatParameters]) -> list[FlatGroup]:
     """The flat groups holding the module's parameters: ``sharder``'s, or (a plain loop that kept none)
     those of the sharder each optimizer built (see [Note: one owner of the flat groups])."""
     owners = [sharder] if sharder is not None else list({id(o.sharder): o.sharder for o in optimizers}.values())
     return [g for owner in owners for g in owner.groups]
 
 
-def _hybrid(optimizers: Sequence[ZeroOptimizer], sharder: Optional[ParameterSharder]) -> Optional[HybridGroups]:
-    """The owner of the flat groups' hybrid sharding (see [Note: hybrid sharding] in engine/hybrid.py),
+def _hybrid(optimizers: Sequence[ZeroOptimizer], sharder: Optional[FlatParameters]) -> Optional[HybridGroups]:
+    """The owner of the flat groups' hybrid sharding (see [Note: hybrid sharding] in engine/comm/topology.py),
     None without it: one owner's, as every owner is built from the same config."""
     owners = [sharder] if sharder is not None else [o.sharder for o in optimizers]
     return next((o.hybrid for o in owners if o.hybrid is not None), None)
 
 
-def shard_group_size(optimizers: Sequence[ZeroOptimizer], sharder: Optional[ParameterSharder]) -> Optional[int]:
+def shard_group_size(optimizers: Sequence[ZeroOptimizer], sharder: Optional[FlatParameters]) -> Optional[int]:
     """K of hybrid sharding, None without it."""
     hybrid = _hybrid(optimizers, sharder)
     return hybrid.mesh.shard_size if hybrid is not None else None
 
 
-def writes_shards(optimizers: Sequence[ZeroOptimizer], sharder: Optional[ParameterSharder]) -> bool:
+def writes_shards(optimizers: Sequence[ZeroOptimizer], sharder: Optional[FlatParameters]) -> bool:
     """Whether this rank writes its pieces: with hybrid sharding only the first shard group does (the
     others hold the same pieces), so a checkpoint is written once, not once per replica."""
     hybrid = _hybrid(optimizers, sharder)
@@ -109,7 +109,7 @@ class _RankRecord:
 
 
 def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
-             sharder: Optional[ParameterSharder], checksums: bool,
+             sharder: Optional[FlatParameters], checksums: bool,
              buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[RankWriter, _RankRecord]:
     names = parameter_names(module)
     writer, record = RankWriter(rank, with_checksums=checksums, buffers=buffers), _RankRecord()
@@ -119,7 +119,7 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
         writer.add(name, values, start)
 
     grouped: set[nn.Parameter] = set()
-    mine = writes_shards(optimizers, sharder)  # see [Note: hybrid sharding] in engine/hybrid.py
+    mine = writes_shards(optimizers, sharder)  # see [Note: hybrid sharding] in engine/comm/topology.py
     for g in flat_groups(optimizers, sharder):
         grouped.update(g.params)
         for i, (p, shape) in enumerate(zip(g.params, g.shapes)):
@@ -195,7 +195,7 @@ def on_every_rank(comm: Collectives, load: Callable[[], None]) -> None:
 
 
 def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[ZeroOptimizer],
-                 sharder: Optional[ParameterSharder], comm: Collectives, stage: int, checksums: bool = True,
+                 sharder: Optional[FlatParameters], comm: Collectives, stage: int, checksums: bool = True,
                  background: Optional["BackgroundSaver"] = None) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a sharded checkpoint directory. A collective.
 
@@ -205,7 +205,7 @@ def save_sharded(path: Any, checkpoint: dict[str, Any], module: nn.Module, optim
     ``checksums=False`` records none (see [Note: checksums]): only to measure what they cost, as
     benchmarks/bench_checkpoint.py does; such a checkpoint loads unverified, with a warning.
     With a ``background`` saver the call returns once each rank's tensors are copied into its host
-    buffers, and the files are written behind it (see [Note: saving in the background] in background.py).
+    buffers, and the files are written behind it (see [Note: saving in the background] in checkpoint/background.py).
     """
     path = Path(path)
     if background is not None:
@@ -273,7 +273,7 @@ class _Snapshot:
 
 
 def _snapshot(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[ZeroOptimizer],
-              sharder: Optional[ParameterSharder], comm: Collectives, stage: int, checksums: bool,
+              sharder: Optional[FlatParameters], comm: Collectives, stage: int, checksums: bool,
               buffers: Optional[dict[str, torch.Tensor]]) -> _Snapshot:
     """The foreground part of a save: the partial directory made, and this rank's tensors copied out."""
     with_optimizers = "optimizer_states" in checkpoint
@@ -362,7 +362,7 @@ def _optimizer_records(param_groups: list, records: list[_RankRecord]) -> list[d
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """An elementwise optimizer state tensor in a checkpoint, read a range at a time (engine/state.py
+    """An elementwise optimizer state tensor in a checkpoint, read a range at a time (engine/optim/state.py
     slices it with ``read_range``, so a rank reads only its pieces)."""
 
     reader: CheckpointReader

@@ -80,12 +80,12 @@ class CommStats(Callback):
     as ``comm/<key>_MiB`` for ``keys``, every ``log_every_n_steps``; nothing under other strategies.
 
     Every rank of a data-parallel step sends the same bytes (see [Note: bytes sent] in
-    engine/comm_volume.py), so rank 0's figures are every rank's.
+    engine/comm/volume.py), so rank 0's figures are every rank's.
     """
 
     def __init__(self, keys: Sequence[str] = ("total", "inter_node", "all_gather", "reduce_scatter")) -> None:
         super().__init__()
-        from ..engine.comm_volume import empty_stats
+        from ..engine.comm.volume import empty_stats
 
         known = list(empty_stats())
         unknown = [key for key in keys if key not in known]

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from rich.table import Table
 
 from ..comm_model import DEFAULT_CLUSTER, Links, links, variant_rows
-from ..engine.hybrid import resolve_shard_group_size
+from ..engine.comm.topology import resolve_shard_group_size
 from ..config import ZeroConfig
 from ..frontend.options import engine_arguments
 from ..memory import PRECISION_DTYPES, estimate_memory, normalize_precision

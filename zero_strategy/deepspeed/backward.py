@@ -27,13 +27,24 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+
+class ZeroEngine(Protocol):
+    """What the routing reads of a ``ZeroEngine`` (engine.py, which calls this module: a Protocol
+    instead of an import keeps the two modules out of an import circle)."""
+
+    precision: Any  # its ``scaler`` is None unless fp16
+    _engine_backward_depth: int
+    _scaled_for_backward: bool
+    _warned_unreachable: bool
+
+    def gradient_accumulation_steps(self) -> int: ...
+
+    def _backward_ended(self) -> None: ...
 
 UNSCALED_FP16 = ("loss.backward() on the output of an fp16 engine (fp16, or torch_autocast to float16) without the loss scale: the gradients would underflow "
                  "and the overflow check would be wrong. Use engine.backward(loss), or engine.scale(loss).backward().")

@@ -19,7 +19,7 @@ and the norm stay as they were), the scale moves (see [Note: DeepSpeed's dynamic
 LR scheduler is not stepped; ``global_steps`` counts it anyway, ``skipped_steps`` too. With
 ``"zero_optimization": {"local_accumulation": true}`` (stages 2-3; this package's key) a backward off
 the boundary reduces nothing and the boundary's reduces the sum once (see [Note: local accumulation]
-in engine/local_accumulation.py).
+in engine/grads/accumulation.py).
 
 [Note: stage 0]
 A config without ``zero_optimization`` (DeepSpeed's stage 0: plain data parallelism) runs as the
@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from ..activation import offload_activations
 from ..config import ZeroConfig
-from ..engine import Collectives, ParameterSharder, ZeroOptimizer
+from ..engine import Collectives, FlatParameters, ZeroOptimizer
 from ..frontend import EngineModel, WorkingPrecision, clip_grad_norm, setup_engine
 from ..frontend.pretrained import save_pretrained
 from . import engine_checkpoint
@@ -83,7 +83,7 @@ class ZeroEngine(nn.Module):
         self.precision: WorkingPrecision = model.precision
         self.zero_config: ZeroConfig = model.config
         self.comm: Collectives = model.comm
-        self.sharder: Optional[ParameterSharder] = model.sharder
+        self.sharder: Optional[FlatParameters] = model.sharder
         self._device = model.device
         self.local_rank, self.global_rank, self.world_size = local_rank, self.comm.rank, self.comm.world_size
         self.global_steps = 0  # optimizer steps taken, skipped ones included (DeepSpeed's count)
@@ -95,7 +95,7 @@ class ZeroEngine(nn.Module):
         self._engine_backward_depth = 0  # > 0 while backward() runs: see [Note: one division per path]
         self._scaled_for_backward = False  # scale() made the loss of the coming direct backward
         self._warned_unreachable = False
-        if self.optimizer is not None:  # local_accumulation: see [Note: local accumulation] in engine/local_accumulation.py
+        if self.optimizer is not None:  # local_accumulation: see [Note: local accumulation] in engine/grads/accumulation.py
             me = weakref.ref(self)  # the optimizer must not keep its engine alive
             self.optimizer.defer_reduction_when(lambda: not _at_boundary(me))
 
@@ -133,7 +133,7 @@ class ZeroEngine(nn.Module):
     def scale(self, loss: Tensor) -> Tensor:
         """``loss`` times the fp16 loss scale (unchanged in fp32 and bf16), for a direct
         ``scale(loss).backward()``; the division by ``gradient_accumulation_steps`` happens in that
-        backward (see [Note: one division per path] in backward.py)."""
+        backward (see [Note: one division per path] in deepspeed/backward.py)."""
         self._need_optimizer("scale")
         if not isinstance(loss, Tensor) or loss.numel() != 1 or loss.grad_fn is None:
             raise ValueError(f"scale(loss): loss must be a one-element tensor computed from the engine's output, got "
@@ -189,7 +189,7 @@ class ZeroEngine(nn.Module):
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank sent in its last step (since the previous boundary's step), by collective kind
-        and by link: see ZeroStrategy.comm_stats() and [Note: bytes sent] in engine/comm_volume.py."""
+        and by link: see ZeroStrategy.comm_stats() and [Note: bytes sent] in engine/comm/volume.py."""
         return self.comm.comm_stats()
 
     def gradient_clipping(self) -> float:
@@ -305,7 +305,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     stage = int(settings.strategy["stage"])
     zero_config = ZeroConfig(**{**settings.strategy, "stage": max(stage, 1)})
     comm = Collectives(collective_timeout=zero_config.collective_timeout)
-    rank_here = local_rank_from_arguments(args)  # see [Note: args.local_rank] in arguments.py
+    rank_here = local_rank_from_arguments(args)  # see [Note: args.local_rank] in deepspeed/arguments.py
     rank_here = local_rank() if rank_here is None else rank_here
     record_local_rank(args, rank_here)
     device = engine_device(rank_here)

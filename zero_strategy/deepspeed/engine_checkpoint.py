@@ -19,23 +19,44 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
+
+from torch import nn
 
 from ..checkpoint import CheckpointError, is_sharded_checkpoint
 from ..checkpoint.deepspeed import is_deepspeed_checkpoint
 from ..checkpoint.files import atomic_write
+from ..engine import Collectives
 from ..frontend import (STATE_KEY, check_safe_to_load, deepspeed_client_state, deepspeed_optimizer_state,
                         load_full_model, load_full_optimizers, load_sharded_model, load_sharded_optimizers,
                         open_sharded, read_deepspeed, save_sharded_model)
-
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+from ..frontend.setup import EngineModel
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
 ENGINE_STATE = "zero_engine"
 CLIENT_STATE = "client_state"
+
+
+class ZeroEngine(Protocol):
+    """What saving and loading read and set of a ``ZeroEngine`` (engine.py, which calls this module: a
+    Protocol instead of an import keeps the two modules out of an import circle)."""
+
+    module: nn.Module
+    engine_model: EngineModel
+    comm: Collectives
+    optimizer: Optional[Any]
+    lr_scheduler: Optional[Any]
+    precision: Any  # frontend.precision's engine precision: the loss scaler's state
+    config: dict
+    world_size: int
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    micro_steps: int
+
+    def zero_optimization_stage(self) -> int: ...
 
 
 # ---- save ----------------------------------------------------------------------------------
@@ -201,7 +222,7 @@ def _load_deepspeed(engine: "ZeroEngine", folder: Path, strict: bool, with_optim
 
 def _load_deepspeed_scheduler(scheduler: Any, state: dict[str, Any]) -> None:
     """DeepSpeed's schedules save ``{"last_batch_iteration": i}``; the same schedule here sits at
-    ``last_epoch = i + 1`` (see [Note: DeepSpeed's iteration count] in schedulers.py). Any other
+    ``last_epoch = i + 1`` (see [Note: DeepSpeed's iteration count] in deepspeed/schedulers.py). Any other
     state is a torch scheduler's own, loaded as it is."""
     if set(state) == {"last_batch_iteration"} and hasattr(scheduler, "lrs_at"):
         scheduler.last_epoch = int(state["last_batch_iteration"])

@@ -59,7 +59,7 @@ def check_batch_sizes(settings: DeepSpeedSettings) -> None:
 
 def engine_device(local_rank: int) -> torch.device:
     """``cuda:<local_rank>`` on the CUDA accelerator, else the CPU (see [Note: which accelerator] in
-    accelerator.py: ``DS_ACCELERATOR=cpu`` trains on the CPU on a machine with GPUs)."""
+    deepspeed/accelerator.py: ``DS_ACCELERATOR=cpu`` trains on the CPU on a machine with GPUs)."""
     if get_accelerator()._name != "cuda":
         return torch.device("cpu")
     count = torch.cuda.device_count()

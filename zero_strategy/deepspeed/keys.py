@@ -326,7 +326,7 @@ _ACCUM_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": 
 def read_accumulation(config: Mapping, zero: Mapping, precision: Any, findings: Findings) -> dict[str, Any]:
     """ZeroConfig settings from ``zero_optimization.local_accumulation`` (this package's key, not
     DeepSpeed's: stages 2-3 reduce once per optimizer step, see [Note: local accumulation] in
-    engine/local_accumulation.py) and ``data_types.grad_accum_dtype`` (the local buffer's dtype:
+    engine/grads/accumulation.py) and ``data_types.grad_accum_dtype`` (the local buffer's dtype:
     "fp32", or the fp16/bf16 the config trains in, read as "working")."""
     kwargs: dict[str, Any] = {}
     local = read_flag(zero.get("local_accumulation", False), "zero_optimization.local_accumulation")
@@ -358,8 +358,7 @@ def read_zero_plus_plus(zero: Mapping, stage: int, findings: Findings) -> dict[s
     ``zero_quantized_weights`` is ``quantized_weights`` (int8, stage 3); ``zero_hpz_partition_size``
     above 1 is ``secondary_partition_size`` (stage 3; 1, DeepSpeed's default, is none);
     ``zero_quantized_gradients`` is ``quantized_gradients="int4"``, the width ZeRO++ sends gradients
-    in. MiCS's ``mics_shard_size`` is ``shard_group_size`` (hybrid sharding: see [Note: hybrid
-    sharding] in engine/hybrid.py). A stage-3 key at another stage is a problem in ``findings``, as
+    in. MiCS's ``mics_shard_size`` is ``shard_group_size`` (hybrid sharding: see [Note: hybrid sharding] in engine/comm/topology.py). A stage-3 key at another stage is a problem in ``findings``, as
     DeepSpeed ignores it there.
     """
     kwargs: dict[str, Any] = {}

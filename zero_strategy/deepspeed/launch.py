@@ -105,7 +105,7 @@ def local_rank(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def default_backend() -> str:
-    """The accelerator's: NCCL on CUDA, gloo on the CPU (see [Note: which accelerator] in accelerator.py)."""
+    """The accelerator's: NCCL on CUDA, gloo on the CPU (see [Note: which accelerator] in deepspeed/accelerator.py)."""
     from .accelerator import get_accelerator
 
     return get_accelerator().communication_backend_name()

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine.optimizer import ELEMENTWISE_OPTIMIZERS
+from ..engine.optim.optimizer import ELEMENTWISE_OPTIMIZERS
 from .keys import AUTO_HINT, DeepSpeedConfigError, Findings, is_auto, read_flag, read_section
 
 __all__ = ["OptimizerFactory", "optimizer_factory"]
@@ -37,7 +37,7 @@ class OptimizerFactory:
 
 TORCH_OPTIMIZERS = {name.lower(): cls for name, cls in vars(torch.optim).items() if inspect.isclass(cls)
                     and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
-# not elementwise, so never sharded, whatever allow_untested says (see engine/optimizer.py)
+# not elementwise, so never sharded, whatever allow_untested says (see engine/optim/optimizer.py)
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 REFUSED_OPTIMIZERS = {
     "lamb": "LAMB scales each tensor's update by a norm over the whole tensor, which a flat shard cannot compute; "

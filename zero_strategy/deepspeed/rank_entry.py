@@ -1,5 +1,5 @@
 """What each process zero-launch starts runs first: the user's script with ``--local_rank=<i>`` in
-front of its arguments, as DeepSpeed's launcher passes it (see [Note: zero-launch] in launcher.py).
+front of its arguments, as DeepSpeed's launcher passes it (see [Note: zero-launch] in deepspeed/launcher.py).
 
     python -m zero_strategy.deepspeed.rank_entry {script|module|program} {0|1: no --local_rank} TARGET ARGS...
 """

@@ -4,7 +4,7 @@
 DeepSpeed's ``zero.Init`` partitions each parameter as its module is built. Here the same effect
 comes from the init context the strategies open around ``configure_model``, ``sharded_init``
 (pretrained.py): inside ``with zero.Init():`` the construction is recorded on the meta device (no
-storage; see [Note: recorded construction] in engine/deferred_init.py) and ``from_pretrained``
+storage; see [Note: recorded construction] in engine/params/deferred_init.py) and ``from_pretrained``
 attaches its files instead of reading them, and ``initialize`` at stage 3 materialises the model
 unit by unit into the shards, so the whole model never exists on any rank. A model built inside
 gets the weights an eager build on the same seed draws (the recorded construction is replayed);
@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from ..engine.parameters import gathered_parameters
+from ..engine.params.flat_parameters import gathered_parameters
 from ..pretrained import sharded_init
 
 __all__ = ["GatheredParameters", "Init"]

@@ -6,10 +6,10 @@ Usable on its own in a torch.distributed loop::
     loss.backward(); opt.step(); opt.zero_grad()
 """
 
-from .collectives import Collectives
-from .optimizer import ELEMENTWISE_OPTIMIZERS, ZeroOptimizer, check_optimizer_supported
-from .parameters import FlatParameters, ParameterSharder, shard_module
-from .scaler import LossScaler
+from .comm.collectives import Collectives
+from .grads.scaler import LossScaler
+from .optim.optimizer import ELEMENTWISE_OPTIMIZERS, ZeroOptimizer, check_optimizer_supported
+from .params.flat_parameters import FlatParameters, shard_module
 
-__all__ = ["Collectives", "ELEMENTWISE_OPTIMIZERS", "FlatParameters", "LossScaler", "ParameterSharder", "ZeroOptimizer", "check_optimizer_supported",
+__all__ = ["Collectives", "ELEMENTWISE_OPTIMIZERS", "FlatParameters", "LossScaler", "ZeroOptimizer", "check_optimizer_supported",
            "shard_module"]

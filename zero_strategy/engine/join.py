@@ -46,9 +46,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import rank_board
-from .collectives import Collectives
-from .optimizer import ZeroOptimizer
+from .comm.collectives import Collectives
+from .diagnose import rank_board
+from .optim.optimizer import ZeroOptimizer
 
 __all__ = ["Join"]
 
@@ -155,8 +155,8 @@ class Join:
         zero = _zero_optimizer(self.steppers[0][0])
         if enable and any(getattr(_zero_optimizer(obj).reducer, "local", None) is not None for obj, _ in self.steppers):
             raise ValueError("Join with local_accumulation=True: a joined rank replays the others' backward passes "
-                             "but cannot know which of them deferred their reduction (see [Note: local "
-                             "accumulation] in engine/local_accumulation.py), so the ranks' reduce-scatters would "
+                             "but cannot know which of them deferred their reduction (see [Note: local accumulation] "
+                             "in engine/grads/accumulation.py), so the ranks' reduce-scatters would "
                              "not pair up. Use local_accumulation=False inside Join, or give every rank the same "
                              "number of batches.")
         if enable and any(_zero_optimizer(obj).sharder.hybrid is not None for obj, _ in self.steppers):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ZeroConfig
-from ..engine.collectives import Collectives
+from ..engine.comm.collectives import Collectives
 from ..deepspeed.config import DeepSpeedConfigError, DeepSpeedSettings, map_deepspeed_config
 
 DeepSpeedConfig = Union[Mapping[str, Any], str, os.PathLike]
@@ -194,6 +194,6 @@ class ProcessLayout:
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank sent in its last training step (forward, backward and optimizer step), by
         collective kind and by link: all_gather, reduce_scatter, all_reduce, broadcast, total,
-        intra_node, inter_node (see [Note: bytes sent] in engine/comm_volume.py). Zeros before the
+        intra_node, inter_node (see [Note: bytes sent] in engine/comm/volume.py). Zeros before the
         first step."""
         return self.comm.comm_stats()  # type: ignore[attr-defined]

@@ -8,19 +8,17 @@ tensors (see [Note: save_pretrained at stage 3] in checkpoint/hf_export.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from ..checkpoint.hf_export import DEFAULT_ADAPTER_DIR, Exported, export_module, guard_save_pretrained
-from ..checkpoint.sharded import writes_shards
 from ..checkpoint.hf_layout import DEFAULT_MAX_SHARD_SIZE
+from ..checkpoint.sharded import writes_shards
+from .engine_model import EngineModel
 
-if TYPE_CHECKING:
-    from .setup import EngineModel
 
-
-def save_pretrained(model: "EngineModel", save_directory: Any, dtype: Union[str, torch.dtype, None] = None,
+def save_pretrained(model: EngineModel, save_directory: Any, dtype: Union[str, torch.dtype, None] = None,
                     max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE, config: Any = None,
                     prefix: Optional[str] = None, adapter_dir: Optional[str] = DEFAULT_ADAPTER_DIR,
                     adapter_only: bool = False) -> Exported:
@@ -37,7 +35,7 @@ def save_pretrained(model: "EngineModel", save_directory: Any, dtype: Union[str,
                          prefix, adapter_dir, adapter_only, writes_shards(model.optimizers, model.sharder))
 
 
-def guard_hf_save_pretrained(model: "EngineModel") -> None:
+def guard_hf_save_pretrained(model: EngineModel) -> None:
     """At stage 3, the transformers and peft models inside ``model.module`` save through the export."""
     guard_save_pretrained(model.module, lambda save_directory, **options: save_pretrained(model, save_directory,
                                                                                           **options))

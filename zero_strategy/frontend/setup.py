@@ -8,7 +8,7 @@ ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
    working weights, one buffer per dtype, and the fp32 masters are copied from them; converting
    after sharding would detach the parameters from their buffers.
 2. device: the flat buffers are allocated where the parameters are. Meta tensors stay on meta:
-   stage 3 materialises them unit by unit on the device (see [Note: init-time sharding] in engine/materialize.py).
+   stage 3 materialises them unit by unit on the device (see [Note: init-time sharding] in engine/params/materialize.py).
 3. activation checkpointing: it replaces module instances' ``forward`` (see [Note: checkpointing
    by instance forward]); the sharder's hooks, registered next, then run around the checkpointed
    call, and the units it plans see the modules as they will run.
@@ -39,68 +39,22 @@ gradient at stages 2-3, so the norm is taken over every rank's shard.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ..activation import apply_activation_checkpointing, offload_activations_in_forward, remove_activation_offload
+from ..activation import apply_activation_checkpointing, offload_activations_in_forward
 from ..checkpoint.background import BackgroundSaver
-from ..checkpoint.sharded import flat_groups
 from ..config import ZeroConfig
-from ..engine import Collectives, ParameterSharder, ZeroOptimizer, shard_module
-from ..engine.flat import FlatGroup
-from ..engine.materialize import fill_deferred, materialize_buffers, materialize_whole
+from ..engine import Collectives, FlatParameters, ZeroOptimizer, shard_module
+from ..engine.params.materialize import fill_deferred, materialize_buffers, materialize_whole
 from ..generation import sync_generation
+from .engine_model import EngineModel
 from .precision import WorkingPrecision
 from .pretrained import guard_hf_save_pretrained
 
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
-
-
-@dataclass
-class EngineModel:
-    """A module on the engine and what a front end needs of it afterwards: its sharder (the owner
-    of its flat groups, None at stages 1-2 until there are optimizers), its ZeroOptimizers, and the
-    precision, settings and collectives they were built with."""
-
-    module: nn.Module
-    config: ZeroConfig  # master_weights as ``precision`` says
-    precision: WorkingPrecision
-    comm: Collectives
-    device: torch.device
-    sharder: Optional[ParameterSharder] = None
-    optimizers: list[ZeroOptimizer] = field(default_factory=list)
-    saver: Optional[BackgroundSaver] = None  # with async_save: see [Note: saving in the background]
-
-    @property
-    def stage(self) -> int:
-        return self.config.stage
-
-    @property
-    def groups(self) -> list[FlatGroup]:
-        """Every flat group of the module's parameters (see [Note: one owner of the flat groups])."""
-        return flat_groups(self.optimizers, self.sharder)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's whole state dict on every rank: at stage 3 gathered unit by unit (a
-        collective), as CPU copies; at stages 1-2 the module's own."""
-        if self.sharder is not None and self.stage == 3:
-            return self.sharder.full_state_dict()
-        return self.module.state_dict()
-
-    def finish_saves(self) -> None:
-        """Wait for a checkpoint being written in the background; raise what it failed with."""
-        if self.saver is not None:
-            self.saver.wait()
-
-    def remove_hooks(self) -> None:
-        for opt in self.optimizers:
-            opt.remove_hooks()
-        if self.sharder is not None:
-            self.sharder.remove_hooks()
-        remove_activation_offload(self.module)
 
 
 def engine_config(config: ZeroConfig, precision: WorkingPrecision) -> ZeroConfig:
@@ -110,7 +64,7 @@ def engine_config(config: ZeroConfig, precision: WorkingPrecision) -> ZeroConfig
 
 def move_module(module: nn.Module, device: torch.device) -> None:
     """Parameters and buffers to ``device``, in place (the Parameter objects stay); meta tensors stay on
-    meta: stage 3 materialises them unit by unit (see [Note: init-time sharding] in engine/materialize.py)."""
+    meta: stage 3 materialises them unit by unit (see [Note: init-time sharding] in engine/params/materialize.py)."""
     module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
@@ -132,7 +86,7 @@ def sync_module(module: nn.Module, comm: Collectives, stage: int) -> None:
 
 def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecision, comm: Collectives,
                  device: torch.device, optimizers: Optimizers = (),
-                 sharder: Optional[ParameterSharder] = None) -> EngineModel:
+                 sharder: Optional[FlatParameters] = None) -> EngineModel:
     """Put ``module`` (and ``optimizers``, or the optimizers a factory builds) on the engine, in the
     order of [Note: the order of setup]. A collective.
 
@@ -219,7 +173,7 @@ def _check_owned(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
         taken |= {id(p) for p in params}
 
 
-def _check_groups_of_their_own(sharder: ParameterSharder, opt: torch.optim.Optimizer, together: str) -> None:
+def _check_groups_of_their_own(sharder: FlatParameters, opt: torch.optim.Optimizer, together: str) -> None:
     """``opt``'s trainable parameters fill whole flat groups: groups built before it knew of it hold the
     parameters of every optimizer that was not given then, together."""
     mine = {p for g in opt.param_groups for p in g["params"] if p.requires_grad}

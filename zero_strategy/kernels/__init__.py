@@ -1,7 +1,7 @@
 """Fused CUDA kernels (cuda/*.cu, compiled at run time by CuPy) with a torch reference for each.
 
 Every function runs the CUDA kernels when its tensors are CUDA tensors the kernels take and CuPy
-imports, and the torch reference otherwise (see [Note: when the kernels run] in ops.py); the
+imports, and the torch reference otherwise (see [Note: when the kernels run] in kernels/ops.py); the
 results agree either way. ``ZERO_STRATEGY_KERNELS=torch`` (or ``set_backend("torch")``) forces the
 reference everywhere, and the torch code of the CPU int8 and bf16 state codec, whose C version
 (int8_codec.c, built at run time by the system's C compiler: cpu_codec.py) otherwise runs on CPU.

@@ -2,7 +2,7 @@
 
 [Note: the compiled CPU codec]
 On CPU, the int8 encode and decode of ``Int8State`` and the stochastic bf16 rounding of
-``round_to_bf16`` (engine/lowp.py) are each a dozen torch passes over a tile (gathers, integer
+``round_to_bf16`` (engine/optim/lowp.py) are each a dozen torch passes over a tile (gathers, integer
 arithmetic on order keys, a block maximum, a divide; splitmix64's int64 passes), which made the
 int8 step about 3.3x the fp32-state step and bf16 state 4.3x. int8_codec.c does each in one pass,
 with exactly the bits of the torch code (tests/test_lowp_codec.py). The source is compiled once per

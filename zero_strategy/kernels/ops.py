@@ -9,7 +9,7 @@ does. Either way the results agree (bit for bit on CPU against torch.optim; with
 fused multiply-adds on CUDA), so callers never branch on which one ran.
 
 Inside, tensors are grouped by their dtypes and each group is one launch over a tensor-list table
-(see [Note: tensor-list table] in cuda/zs_common.cuh): no flattening, no per-tensor launch.
+(see [Note: tensor-list table] in cuda/zs_common.cuhhh): no flattening, no per-tensor launch.
 """
 
 from __future__ import annotations

@@ -111,10 +111,10 @@ def adam_lowp_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
                    steps: Sequence[Union[float, int, torch.Tensor]], *, keys: Sequence[int], starts: Sequence[int],
                    seed: int, step_count: int, **adam) -> None:
     """Adam or AdamW (``adam``: adam_step's keywords) over low-precision state, as cuda/adam_lowp.cu: each
-    moment an ``Int8State`` or a ``Bf16State`` (engine/lowp.py), each param fp32 or a bf16 master rounded
+    moment an ``Int8State`` or a ``Bf16State`` (engine/optim/lowp.py), each param fp32 or a bf16 master rounded
     stochastically; decoded into fp32, stepped by ``adam_step``, encoded back. ``keys[i]`` and ``starts[i]``
     place params[i] for the random bits, with ``seed`` and the optimizer's ``step_count``."""
-    from ..engine.lowp import Bf16State, round_to_bf16  # the encodings: engine/lowp.py
+    from ..engine.optim.lowp import Bf16State, round_to_bf16  # the encodings: engine/optim/lowp.py
 
     for i, param in enumerate(params):
         master = param.float() if param.dtype == torch.bfloat16 else param

@@ -1,0 +1,592 @@
+"""Stage 3: parameters live as shards; a unit is gathered just before it runs and released after.
+
+Which parameters form which unit is planned in plan.py (see [Note: units] and
+[Note: default units]); a unit's lifecycle, its modules' hooks included, is in unit.py. This file
+keeps what spans units: the order the model runs them in, prefetch, the root unit, the passes and
+the order guard, and the flat groups themselves (see [Note: one owner of the flat groups]).
+
+[Note: when units are gathered]
+- forward: a unit's module gathers it in a pre-forward hook. The unit is released after the forward
+  of its last module, or when another unit starts (a unit of several modules called out of order),
+  or when the pass ends. With grad enabled, a hook on the module's outputs gathers it again when
+  backward reaches them.
+- backward: the unit is released once all its trainable parameters have handed over their
+  gradients (the gradient reducer says so), or when backward ends. A unit with frozen parameters
+  (a frozen base weight beside trainable adapters) is not: backward may still need a frozen weight
+  for the gradient of the unit's input after the trainable gradients are in. It is released when
+  backward reaches the unit that ran before it in forward (the gradient of that unit's outputs,
+  this unit's inputs, is complete by then) unless that unit contains it (their outputs may be the
+  same tensors), or when backward ends.
+- recomputation: a unit's forward run *during* backward (non-reentrant activation checkpointing
+  recomputes a checkpointed module that contains units) gathers it but neither releases it nor
+  counts as forward order: the unit's own backward comes next, and its gradients' hand-over
+  releases it. Released there, its parameters would be empty when its gradients accumulate.
+- root: gathered by the top module's pre-forward hook (and by ``hold_root`` around a training
+  step) and held until backward ends, since its parameters may be used anywhere in the step.
+- prefetch: each unit remembers which unit ran after it (and before it) last time; entering a unit
+  starts the next one's all-gather. A wrong guess only costs memory until that unit runs or the
+  pass ends. Every rank must run the same units in the same order (as with any ZeRO-3), so the
+  guesses, and the collectives they issue, agree across ranks; the order guard checks it (see
+  [Note: order guard] in engine/comm/order_guard.py).
+
+[Note: gathers outside passes]
+``gathered_parameters`` and the full state dicts gather units outside any pass, and every rank must
+enter them together. A rank that enters alone (``if rank == 0: model.state_dict()``) issues
+all-gathers that meet the others' training gathers: of the same size, the headers tell (see
+[Note: order guard]); of another size, gloo ends both processes with its own message ("Received data
+size doesn't match expected size"), before any check of ours can run. So on gloo each such entry
+begins with a barrier, a collective of another kind than anything a pass issues, which ranks in step
+all pass. A rank that entered alone waits in it while the others wait in their gathers, and after
+``unit_order_wait`` both stop with the UnitOrderError of [Note: collectives that differ] in
+engine/diagnose/divergence.py, naming the entry and the gather. It costs one barrier per entry, none per pass. NCCL
+waits are not watched, so there it is skipped.
+
+[Note: compiled modules]
+The unit hooks are plain Python (unit states, collectives, the order guard) that dynamo cannot
+trace, so they are ``torch._dynamo.disable``d: under ``torch.compile`` each one is a graph break,
+run eagerly, at every unit's gather (pre-forward, and the pre-backward hook) and release
+(post-forward); the modules' own forwards between them are compiled (a transformer block's forward
+is one graph, reused for every block). Tracing a hook instead would bake a released parameter's
+empty shape into the graph. Each break starts a new frame for dynamo, so a model whose blocks go
+through a shared Python wrapper (transformers' deprecation decorator on GPT-2's forwards) recompiles
+that wrapper per call site and hits ``torch._dynamo.config.recompile_limit`` (8): past it, the rest
+runs eagerly. benchmarks/compile_breaks.py counts the ops a forward runs compiled: GPT-2 small at
+stage 3, 344 of 565 at the default limit, 560 with the limit at 64 (raise it for deep models).
+
+[Note: one owner of the flat groups]
+FlatParameters (the sharder) builds every flat group of a model, at every stage (all resident at stages 1 and
+2); a ZeroOptimizer only maps the pieces of the groups holding its parameters (``groups_of``) to its
+param groups, and checkpoints, memory accounting and gathered_parameters read the same groups, finding
+their owner from a parameter or a module with ``owner_of`` / ``owners_of``. A plain loop's
+ZeroOptimizer without a sharder builds one over its own parameters (stages 1-2).
+
+See [Note: init-time sharding] in engine/params/materialize.py for a model built on the meta device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ...config import ZeroConfig
+from ..buffers.flat import FlatGroup, ResidentGroup, ShardedGroup
+from ..buffers.malloc import set_mmap_threshold
+from ..buffers.pool import BufferPool
+from ..comm.collectives import Collectives
+from ..comm.order_guard import (BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE,
+                                OrderGuard)
+from ..comm.topology import hybrid_groups
+from .materialize import is_deferred, materialize_meta
+from .plan import UnitPlan, plan_units
+from .saved_weights import SavedWeights
+from .unit import Unit, UnitState, in_backward
+
+
+def split_groups(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
+    """Flat groups of a unit: by dtype, device, requires_grad, and which optimizer steps them (each
+    optimizer's gradient reducer then hooks only its own parameters)."""
+    runs: dict[tuple, list] = {}
+    for p in params:
+        runs.setdefault((p.dtype, p.device, p.requires_grad, owner_of.get(p, -1)), []).append(p)
+    return list(runs.values())
+
+
+def _eager(hook):
+    """``hook`` run by Python even inside ``torch.compile``: see [Note: compiled modules]."""
+    return torch._dynamo.disable(hook, recursive=True)
+
+
+def shard_module(module: nn.Module, config: ZeroConfig, comm: Optional[Collectives] = None,
+                 device: Optional[torch.device] = None,
+                 optimizers: Sequence[torch.optim.Optimizer] = ()) -> "FlatParameters":
+    """Shard ``module``'s parameters as ``config`` (a ZeroConfig with stage=3) says.
+
+    Rank 0's values are broadcast unit by unit before sharding. Parameters on the meta device are
+    materialised on ``device`` one unit at a time (see [Note: init-time sharding]). Pass the
+    ``optimizers`` that will step the module when there are several, created before sharding.
+    """
+    return FlatParameters(module, config, comm or Collectives(collective_timeout=config.collective_timeout),
+                            device, optimizers)
+
+
+class FlatParameters:
+    """A model's parameters as flat groups, and the one owner of those groups, at every stage (see
+    [Note: one owner of the flat groups]); "the sharder" in the code, though it shards only at stage 3.
+
+    At stages 1 and 2 every trainable parameter goes into a resident group, whole on every rank,
+    cut into bucket-sized segments; frozen ones stay as they are. At stage 3 the parameters are
+    sharded into units, gathered around their modules' use (see [Note: units]); ``module`` must
+    then be a module, while at stages 1 and 2 it may be a list of parameters (a plain loop's
+    optimizer's). ``optimizers`` (built before, when there are several) split the groups so each
+    optimizer steps and reduces its own.
+
+    ``config.offload_params`` keeps every sharded group's shard in host memory (pinned on CUDA): a
+    unit's gather copies it to the device just before the all-gather, and the full buffer is the only
+    device copy, dropped on release. ``config.offload_optimizer`` puts the trainable groups' master
+    shards in host memory (see [Note: offloaded groups] in engine/buffers/flat.py).
+    """
+
+    def __init__(self, module: Union[nn.Module, Iterable[nn.Parameter]], config: ZeroConfig, comm: Collectives,
+                 device: Optional[torch.device] = None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        self.module = module if isinstance(module, nn.Module) else None
+        self.config = config
+        self.world_comm = comm  # every rank; self.comm is the shard group: see [Note: hybrid sharding] in engine/comm/topology.py
+        # see [Note: collectives that differ] in engine/diagnose/divergence.py (subgroups made from now on take it too)
+        comm.mismatch_wait_s = config.unit_order_wait if config.check_unit_order else math.inf
+        self.hybrid = hybrid_groups(comm, config.shard_group_size)
+        self.comm = comm = self.hybrid.shard if self.hybrid is not None else comm
+        self._device = device
+        self._optimizer_of = {p: i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
+        params = list(dict.fromkeys(module.parameters() if self.module is not None else module))
+        self.position = {p: i for i, p in enumerate(params)}  # the model's order: see [Note: launch order]
+        if not any(p.requires_grad for p in params):
+            what = type(module).__name__ if self.module is not None else "the optimizer's parameter list"
+            raise ValueError(f"{what} has no trainable parameter (every requires_grad is False), so there is nothing "
+                             "to train; unfreeze some parameters (requires_grad_(True)).")
+        if (device or params[0].device).type == "cpu":  # before sharding frees the whole parameters
+            set_mmap_threshold(config.cpu_mmap_threshold_mb)  # see [Note: glibc's mmap threshold] in engine/buffers/malloc.py
+        self.pool = BufferPool()  # the full buffers of gathered units: see [Note: reused buffers] in engine/buffers/pool.py
+        self.saved_weights = SavedWeights(self.pool)  # see [Note: saved weights] in engine/params/saved_weights.py
+        self._owners: dict[nn.Parameter, list[nn.Module]] = {}
+        for mod in (self.module.modules() if self.module is not None else ()):
+            for p in mod.parameters(recurse=False):
+                self._owners.setdefault(p, []).append(mod)
+        if config.stage == 3:
+            if self.module is None:
+                raise ValueError("ZeRO stage 3 gathers parameters around their modules' forward: give shard_module "
+                                 "the module, not a list of parameters.")
+            self.plan: UnitPlan = plan_units(self.module, config.shard_modules, config.param_persistence_threshold,
+                                             config.bucket_numel(params[0].element_size()), config.unit_params)
+            self._agree_on_plan()
+        else:  # stages 1-2: the trainable parameters, whole on every rank
+            self.plan = UnitPlan((), (), tuple(p for p in params if p.requires_grad), None)
+        self.units = [Unit(i, u.name, self._flatten(list(u.params), resident=False), u.modules)
+                      for i, u in enumerate(self.plan.units)]
+        self.root = Unit(len(self.units), "<root>", self._flatten(list(self.plan.root), resident=False), ())
+        self.resident = self._flatten(list(self.plan.resident), resident=True)
+        meta = [n for n, b in self.module.named_buffers() if b.is_meta] if self.module is not None else []
+        if meta:
+            raise ValueError(f"buffers {meta[:5]} are still on the meta device after sharding: build modules that "
+                             "hold buffers but no parameters in __init__, not in configure_model.")
+        self._unit_of_group = {id(g): u for u in self.all_units for g in u.groups}
+        self.unit_of = {p: u for u in self.all_units for g in u.groups for p in g.params}
+        self.full_numel = {p: n for g in self.groups for p, n in zip(g.params, g.layout.numels)}
+        guard_device = self._device or (self.groups[0].device if self.groups else torch.device("cpu"))
+        self.guard = OrderGuard(comm, [u.name for u in self.all_units], guard_device, config.unit_order_wait)
+        self.guard.enabled &= config.check_unit_order and config.stage == 3
+        self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
+        self._prev_of: dict[Unit, Unit] = {}
+        self._last: Optional[Unit] = None  # the unit entered last in this forward pass
+        self._nesting: dict[tuple[int, int], bool] = {}  # see _nested
+        self._root_held_for_step = False
+        self._in_pass = False  # between _begin_pass and _end_pass
+        self._backward_ended = False  # in this pass: a step follows, which checks the gathers (engine/comm/order_guard.py)
+        for unit in self.all_units:
+            unit.schedule = self
+        self.weight_quantization = config.weight_quantization  # see [Note: quantized gathers] in engine/buffers/flat.py
+        size = config.secondary_partition_size if config.stage == 3 else None  # see [Note: secondary partition]
+        self.secondary = comm.within_node(size, "secondary_partition_size") if size is not None else None
+        if config.gradient_quantization is not None:
+            comm.hierarchy  # its process groups, now, at the same point on every rank
+        self._handles = []
+        if config.stage == 3:
+            assert self.module is not None
+            for unit in self.units:
+                for mod in unit.modules:
+                    self._handles.append(mod.register_forward_pre_hook(_eager(unit.pre_forward)))
+                    self._handles.append(mod.register_forward_hook(_eager(unit.post_forward),
+                                                                   always_call=True))  # pops the saved-tensor hooks
+            self._handles.append(self.module.register_forward_pre_hook(_eager(self._pre_forward_root)))
+            self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root), always_call=True))
+        for g in self.groups:
+            for p in g.params:
+                p._zero_sharder = self  # read by owner_of(), at every stage
+        comm.begin_step()  # the first step's bytes start here: set-up broadcasts are not a step's
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes this rank sent in its last training step (see [Note: bytes sent] in engine/comm/volume.py):
+        all_gather, reduce_scatter, all_reduce, broadcast, total, intra_node, inter_node."""
+        return self.comm.comm_stats()
+
+    def groups_of(self, optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
+        """The trainable flat groups holding ``optimizer``'s parameters (which it steps and reduces)."""
+        mine = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        groups = [g for g in self.groups if g.params[0].requires_grad and any(p in mine for p in g.params)]
+        held = {p for g in groups for p in g.params}
+        missing = [tuple(p.shape) for p in mine if p not in held]
+        if missing:
+            raise ValueError(f"{len(missing)} optimizer parameters (shapes {missing[:3]}...) are not parameters the "
+                             "sharder holds: optimize only the sharded module's own parameters, and build the "
+                             "optimizer before shard_module(module, config, optimizers=[...]).")
+        others = [p for g in groups for p in g.params if p not in mine]
+        if others:
+            raise ValueError(f"{len(others)} parameters share flat groups with this optimizer's but belong to another: "
+                             "pass every optimizer to shard_module(module, config, optimizers=[...]) so that each "
+                             "gets groups of its own.")
+        return groups
+
+    def _agree_on_plan(self) -> None:
+        """Every rank must cut the same units, or their all-gathers would not pair up; and build the same
+        ones on the meta device, since a unit built there is filled from its recorded sources while a
+        real one is broadcast from rank 0 (the collectives would pair up wrongly, filling the shards
+        with another unit's bytes)."""
+        def fingerprint(name: str, params: Sequence[nn.Parameter]) -> tuple[str, int, int, int]:
+            return (name, sum(p.numel() for p in params), sum(p.is_meta for p in params),
+                    sum(p.is_meta and is_deferred(p) for p in params))
+
+        mine = [fingerprint(u.name, u.params) for u in self.plan.units]
+        mine += [fingerprint("(the root)", self.plan.root), fingerprint("(whole on every rank)", self.plan.resident)]
+        plans = self.comm.all_gather_object(mine)
+        for rank, theirs in enumerate(plans):
+            if [u[:2] for u in theirs] != [u[:2] for u in mine]:
+                diff = next(((a[:2], b[:2]) for a, b in zip(mine, theirs) if a[:2] != b[:2]), (len(mine), len(theirs)))
+                raise ValueError(
+                    f"ZeRO stage 3: rank {rank} planned other units than rank {self.comm.rank} (first difference: "
+                    f"{diff[1]} there, {diff[0]} here): the ranks built different models. Build the same model on "
+                    "every rank (same code, config and dtype).")
+            if theirs != mine:
+                here, there = next((a, b) for a, b in zip(mine, theirs) if a != b)
+                raise ValueError(
+                    f"ZeRO stage 3: unit {here[0]!r} has {there[2]} parameters on the meta device ({there[3]} with "
+                    f"values to come from a file or a recorded construction) on rank {rank} and {here[2]} ({here[3]}) "
+                    f"on rank {self.comm.rank}: the ranks built the model in different ways (one inside the "
+                    "strategy's init context, configure_model or sharded_init, the other outside it, or loaded "
+                    "eagerly). Build it the same way on every rank.")
+
+    def _flatten(self, params: list[nn.Parameter], resident: bool) -> list[FlatGroup]:
+        """Flat groups of ``params``, materialised first if they are meta (one unit at a time)."""
+        materialize_meta(params, self._owners, self._device or torch.device("cpu"))
+        n, r, config = self.comm.world_size, self.comm.rank, self.config
+        groups: list[FlatGroup] = []
+        for ps in split_groups(params, self._optimizer_of):
+            trainable = ps[0].requires_grad
+            # stage 3 builds units from rank 0's values (and materialises meta ones); stages 1-2 take the
+            # parameters as they are (equal on every rank, as for DDP). A group whose every parameter gets
+            # its values later (a file or a recorded construction: fill_deferred) needs no broadcast; the
+            # ranks agree on which those are (_agree_on_plan)
+            from_rank0 = config.stage == 3 and not all(is_deferred(p) for p in ps)
+            common = dict(broadcast_from=self.world_comm if from_rank0 else None,
+                          master_dtype=config.master_dtype if trainable else None,
+                          offload_master=config.offload_optimizer and trainable,
+                          block_align=config.layout_block if trainable else 1)
+            bucket = config.bucket_numel(ps[0].element_size())
+            if resident and config.stage == 3:  # small parameters: one segment
+                groups.append(ResidentGroup(ps, n, r, **common))
+            elif resident:
+                groups.append(ResidentGroup(ps, n, r, bucket_numel=bucket, **common))
+            else:  # cut into buckets too, so a big unit (the root) is reduced in pieces
+                groups.append(ShardedGroup(ps, n, r, bucket_numel=bucket, offload_shard=config.offload_params,
+                                           pool=self.pool, **common))
+            if trainable:
+                groups[-1].reduce_quantization = config.gradient_quantization
+        return groups
+
+    @property
+    def all_units(self) -> list[Unit]:
+        return [*self.units, self.root]
+
+    @property
+    def groups(self) -> list[FlatGroup]:
+        """Every flat group: sharded ones of the units, then the resident ones."""
+        return [g for u in self.all_units for g in u.groups] + self.resident
+
+    # ---- gather and release ----------------------------------------------------------------
+
+    def gather(self, unit: Unit, phase: int = OUTSIDE, wait: bool = True, context: Optional[Unit] = None) -> None:
+        """Gather ``unit``, its all-gathers carrying the order guard's tag (see [Note: order guard]);
+        ``context`` is the unit whose hook asks, for the guard's message.
+
+        [Note: which gather]
+        Outside forward and backward (state dicts, gathered_parameters) a gather is exact, over all
+        ranks. In forward it is quantized with ``quantized_weights``, and with a secondary partition
+        it keeps this rank's secondary part when a backward will follow (grad enabled; not for the
+        root, held through backward anyway). In backward (and recomputation in it) a unit that kept
+        its secondary parts is gathered from them, within its secondary group; any other the way
+        forward gathers it (and without keeping anything).
+        """
+        if unit.needs_gather:
+            header = self.guard.header(unit.index, phase, context.index if context is not None else -1)
+            backward = phase in (BACKWARD, PREFETCH_BACKWARD, RECOMPUTE)
+            if backward and self.secondary is not None and unit.has_secondary:
+                unit.gather_secondary(self.secondary, lambda: f"all-gather of stage-3 unit {unit.name!r} from its "
+                                      f"secondary partition ({PHASES[phase]}, pass {self.guard.passes})", header)
+            else:
+                keep = self.secondary if (phase in (FORWARD, PREFETCH_FORWARD) and unit is not self.root
+                                          and torch.is_grad_enabled() and not unit.has_secondary) else None
+                unit.gather(self.comm, lambda: f"all-gather of stage-3 unit {unit.name!r} ({PHASES[phase]}, "
+                                               f"pass {self.guard.passes})",
+                            None if phase == OUTSIDE else self.weight_quantization, keep, header)
+        if wait:
+            unit.wait()
+
+    def shards_written(self, groups: Iterable[FlatGroup]) -> None:
+        """``groups``' shards were written by a step (a collective point): their gathered copies are
+        stale, and the units holding them gather again now, exactly (see [Note: one record of a unit's gather] in engine/params/unit.py)."""
+        written = {id(g) for g in groups}
+        for g in self.groups:
+            if id(g) in written:
+                g.shard_written()
+        for unit in self.all_units:
+            if unit.stale:
+                self.gather(unit)
+
+    def hold_root(self) -> None:
+        """Gather the root unit and keep it until backward ends (or ``release_root``): a training,
+        validation, test or predict step begins."""
+        self._begin_pass()
+        if not self._root_held_for_step:
+            self.root.hold()
+            self._root_held_for_step = True
+        self.gather(self.root, FORWARD)
+
+    def release_root(self) -> None:
+        if self._root_held_for_step:
+            self._root_held_for_step = False
+            self.root.unhold()
+        if self.root.users == 0:
+            self._end_pass()
+
+    # ---- the hooks: the root's here, the units' in unit.py -----------------------------------
+
+    def _pre_forward_root(self, module: nn.Module, args) -> None:
+        if self.root.users == 0 and not in_backward():
+            self._begin_pass()
+        self.gather(self.root, RECOMPUTE if in_backward() else FORWARD)
+        self.root.enter(module)
+
+    def _post_forward_root(self, module: nn.Module, args, output) -> None:
+        if not self.root.leave(module) or in_backward() or self.root.users:
+            return
+        if torch.is_grad_enabled():
+            self.root.hook_backward(output)
+            if not self._root_held_for_step:  # see [Note: when units are gathered]
+                self.root.hold()
+                self._root_held_for_step = True
+        else:  # an evaluation pass ended: nothing stays gathered for a backward
+            self._end_pass()
+
+    def entering(self, unit: Unit) -> None:
+        """A forward of ``unit`` begins (not a recomputation): the order, its gather and the next one's."""
+        previous = self._last
+        if previous is not None and previous is not unit:
+            self._next_of[previous] = unit
+            self._prev_of[unit] = previous
+            previous.release()  # done with, unless a forward of its own is still running (nesting)
+        self._last = unit
+        self.gather(unit, FORWARD, context=previous)
+        self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
+
+    def backward_reached(self, unit: Unit) -> None:
+        """Backward gathered ``unit``: the unit after it in forward may go (frozen parameters: see [Note:
+        when units are gathered]), and the one before it is prefetched."""
+        if unit is self.root:
+            return
+        after = self._next_of.get(unit)
+        if after is not None and after.has_frozen and not self._nested(after, unit) and after.release():
+            after.drop_secondary()
+        self._prefetch(self._prev_of.get(unit), PREFETCH_BACKWARD, unit)
+
+    def _nested(self, inner: Unit, outer: Unit) -> bool:
+        """Whether one of ``inner``'s modules lies inside one of ``outer``'s (whose outputs may then
+        be ``inner``'s own, their gradient reaching both units at once)."""
+        key = (inner.index, outer.index)
+        if key not in self._nesting:
+            within = {id(m) for top in outer.modules for m in top.modules()}
+            self._nesting[key] = any(id(m) in within for m in inner.modules)
+        return self._nesting[key]
+
+    def _prefetch(self, unit: Optional[Unit], phase: int, context: Unit) -> None:
+        if self.config.prefetch and unit is not None and unit.state is UnitState.RELEASED:
+            self.gather(unit, phase, wait=False, context=context)
+
+    def _begin_pass(self) -> None:
+        """A forward pass (and its backward) begins: the root's forward, or a step around it."""
+        if not self._in_pass:
+            self._in_pass = True
+            self._backward_ended = False
+            self.guard.begin_pass()
+            self.pool.begin_pass()
+
+    def _end_pass(self) -> None:
+        self._in_pass = False
+        self._last = None
+        for unit in self.all_units:
+            unit.end_pass()
+        self.pool.end_pass()
+        self.guard.end_pass(step_follows=self._backward_ended)
+
+    # ---- called by the gradient reducer ----------------------------------------------------
+
+    def gradients_handed_over(self, group: FlatGroup) -> None:
+        """Backward has produced all of ``group``'s gradients: its unit's post-backward."""
+        unit = self._unit_of_group.get(id(group))
+        if unit is not None:
+            unit.post_backward(group)
+
+    def backward_finished(self) -> None:
+        for unit in self.all_units:
+            unit.backward_ended()
+        self._backward_ended = True  # a step follows: see [Note: headers left out on gloo]
+        self.release_root()  # ends the pass
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Parameter storage held now: every shard, and the full buffers of gathered or resident groups."""
+        return [t for g in self.groups for t in g.held_tensors()]
+
+    def workspace_tensors(self) -> list[torch.Tensor]:
+        """Full buffers kept free for the next gathers (see [Note: reused buffers] in engine/buffers/pool.py)."""
+        return self.pool.free_buffers()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The parameter storage in host memory: the shards of ``offload_params``."""
+        return [g.shard for g in self.groups if isinstance(g, ShardedGroup) and g.offload_shard]
+
+    # ---- whole state dicts, one unit at a time ---------------------------------------------
+
+    def _names(self) -> tuple[dict[str, torch.Tensor], dict[nn.Parameter, list[str]]]:
+        entries = self.module.state_dict(keep_vars=True)
+        names: dict[nn.Parameter, list[str]] = {}
+        for key, value in entries.items():
+            if isinstance(value, nn.Parameter):
+                names.setdefault(value, []).append(key)  # tied weights have several names
+        return entries, names
+
+    def meet_outside(self, what: str) -> None:
+        """Every rank enters ``what`` (gathered_parameters, a state dict) together, or stops with
+        UnitOrderError: see [Note: gathers outside passes]."""
+        if self.config.stage == 3 and self.comm.watchdog.watched and self.comm.world_size > 1:
+            self.comm.barrier(lambda: f"barrier that begins {what} (every rank must enter it)")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with every parameter whole, as CPU copies. A collective."""
+        self.meet_outside("a full state dict")
+        entries, names = self._names()
+        out: dict[str, torch.Tensor] = {}
+
+        def copy_out(groups: list[FlatGroup]) -> None:
+            for g in groups:
+                for p in g.params:
+                    for key in names.get(p, ()):
+                        out[key] = p.detach().to("cpu", copy=True)
+
+        for unit in self.all_units:
+            self.gather(unit)
+            copy_out(unit.groups)
+            unit.release()
+        copy_out(self.resident)
+        for key, value in entries.items():
+            if key not in out:  # buffers
+                out[key] = value.detach().to("cpu", copy=True)
+        return {key: out[key] for key in entries}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load whole tensors into the shards (each rank keeps its slices). A collective."""
+        entries, names = self._names()
+        missing = [k for k in entries if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in entries]
+        if strict and (missing or unexpected):
+            raise KeyError(f"the checkpoint does not match the model: missing keys {missing[:10]}, unexpected keys "
+                           f"{unexpected[:10]}; pass strict=False to load what matches.")
+
+        def load(key: str, target: torch.Tensor) -> None:
+            value = state_dict[key]
+            if value.shape != target.shape:
+                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, the model's has "
+                                 f"{tuple(target.shape)}: the checkpoint is for a different model.")
+            target.copy_(value)
+
+        def load_params(group: FlatGroup) -> None:
+            for p in group.params:
+                key = next((k for k in names.get(p, ()) if k in state_dict), None)
+                if key is not None:
+                    load(key, p.data)
+
+        self.meet_outside("loading a full state dict")
+        with torch.no_grad():
+            for unit in self.all_units:
+                self.gather(unit)
+                for g in unit.groups:
+                    load_params(g)
+                    g.commit_gathered()
+                unit.release()
+            for g in self.resident:
+                load_params(g)
+                g.masters_from_weights()
+            for key, value in entries.items():
+                if not isinstance(value, nn.Parameter) and key in state_dict:
+                    load(key, value)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+
+
+def owner_of(param_or_module: Union[nn.Parameter, nn.Module]) -> Optional[FlatParameters]:
+    """The FlatParameters whose flat groups hold a parameter, or the one holding a module's parameters
+    (None when none holds them; an error when several do): the one lookup of a parameter's owner."""
+    if isinstance(param_or_module, nn.Module):
+        owners = owners_of(param_or_module)
+        if len(owners) > 1:
+            raise ValueError(f"{type(param_or_module).__name__}'s parameters are held by {len(owners)} flat-group "
+                             "owners (one per optimizer of a plain loop); ask for them all with owners_of(module).")
+        return owners[0] if owners else None
+    return getattr(param_or_module, "_zero_sharder", None)
+
+
+def owners_of(params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[FlatParameters]:
+    """The distinct FlatParameters holding ``params`` (a module's parameters), in the parameters' order."""
+    params = params.parameters() if isinstance(params, nn.Module) else params
+    return list(dict.fromkeys(s for s in map(owner_of, params) if s is not None))
+
+
+@contextlib.contextmanager
+def gathered_parameters(params: Union[nn.Module, Iterable[nn.Parameter]],
+                        modifier_rank: Optional[int] = None) -> Iterator[None]:
+    """Full parameters inside the block, on every rank (a collective: every rank must enter it).
+
+    With ``modifier_rank``, that rank's values when the block ends become everyone's (edits on
+    other ranks are dropped); without it, edits are discarded. Works at any stage: parameters
+    that are whole already (stages 1 and 2, resident ones) are only broadcast when modified.
+    """
+    params = list(params.parameters() if isinstance(params, nn.Module) else params)
+    sharders = owners_of(params)
+    wanted = set(params)
+    units = [(s, u) for s in sharders for u in s.all_units if any(p in wanted for g in u.groups for p in g.params)]
+    for s in dict.fromkeys(s for s, _ in units):
+        s.meet_outside("gathered_parameters")
+    for s, u in units:
+        u.hold()  # forwards inside the block must not release it
+        s.gather(u)
+    try:
+        yield
+    finally:
+        if modifier_rank is not None:
+            _adopt_values_of(modifier_rank, params, units)
+            for g in (g for sharder in sharders for g in sharder.resident if any(p in wanted for p in g.params)):
+                g.masters_from_weights()  # the broadcast values, into the fp32 masters too
+        for _, u in units:
+            u.unhold()
+
+
+def _adopt_values_of(rank: int, params: list[nn.Parameter], units: list[tuple[FlatParameters, Unit]]) -> None:
+    """Rank ``rank``'s values of ``params`` on every rank, kept in the shards of the gathered ``units``."""
+    what = f"broadcast of gathered_parameters' edits from rank {rank}"
+    with torch.no_grad():
+        for sharder, u in units:
+            sharder.gather(u)  # a load inside the block left it stale: the loaded values are the ones to keep
+            for g in u.groups:
+                assert g.buffer is not None
+                sharder.world_comm.broadcast(g.buffer, src=rank, what=lambda: what)
+                g.commit_gathered()
+        in_units = {p for _, u in units for g in u.groups for p in g.params}
+        comm = units[0][0].world_comm if units else Collectives()
+        for p in params:
+            if p not in in_units:
+                comm.broadcast(p.data, src=rank, what=lambda: what)
