@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
-from .optim import OptimizerFactory, SchedulerFactory, build_optimizers, logits_of
+from .optim import OptimizerFactory, SchedulerFactory, logits_of
+from .task import TaskModule
 
 
 class MLP(nn.Module):
@@ -25,22 +25,17 @@ class MLP(nn.Module):
         return self.net(x)  # (B, in_features) -> (B, num_classes)
 
 
-class ClassifierModule(L.LightningModule):
+class ClassifierModule(TaskModule):
     """Cross-entropy training; validation loss and accuracy (torchmetrics, synced over ranks)."""
 
     throughput_unit = "samples"  # what ThroughputMonitor counts for this kind of model
 
     def __init__(self, net: nn.Module, num_classes: int, optimizer: OptimizerFactory,
                  scheduler: Optional[SchedulerFactory] = None, weight_decay: Optional[float] = None) -> None:
-        super().__init__()
+        super().__init__(net, optimizer, scheduler)
         # weight_decay None: the optimizer's own setting applies to every parameter, as in the
         # tutorials these models come from; a number splits off biases and norms (optim.py).
-        # plain values only in hparams (factories stay out), so checkpoints load without pickle
         self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"], logger=False)
-        self.net = net
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
-        self.val_loss = torchmetrics.MeanMetric()
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +57,3 @@ class ClassifierModule(L.LightningModule):
         self.val_acc.update(logits, y)
         self.log("val/loss", self.val_loss, prog_bar=True)
         self.log("val/acc", self.val_acc, prog_bar=True)
-
-    def configure_optimizers(self) -> Any:
-        return build_optimizers(self, self.optimizer_factory, self.scheduler_factory, self.hparams.weight_decay)

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
-from .optim import OptimizerFactory, SchedulerFactory, build_optimizers, logits_of
+from .optim import OptimizerFactory, SchedulerFactory, logits_of
+from .task import TaskModule
 
 
-class CausalLMModule(L.LightningModule):
+class CausalLMModule(TaskModule):
     """Trains ``net`` with cross-entropy on shifted tokens; reports loss and perplexity.
 
     ``optimizer`` and ``scheduler`` are factories (Hydra ``_partial_: true`` nodes, or any
@@ -26,14 +26,9 @@ class CausalLMModule(L.LightningModule):
 
     def __init__(self, net: nn.Module, optimizer: OptimizerFactory,
                  scheduler: Optional[SchedulerFactory] = None, weight_decay: float = 0.1) -> None:
-        super().__init__()
+        super().__init__(net, optimizer, scheduler)
         # weight_decay 0.1: GPT-3's value; applied to matrices only (see optim.build_optimizers)
-        # plain values only in hparams (factories stay out), so checkpoints load without pickle
         self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"], logger=False)
-        self.net = net
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
-        self.val_loss = torchmetrics.MeanMetric()
         # torchmetrics' Perplexity averages over every token of every rank, then exponentiates
         self.val_ppl = torchmetrics.text.Perplexity()
 
@@ -60,7 +55,4 @@ class CausalLMModule(L.LightningModule):
         self.val_ppl.update(logits.float(), targets)
         self.log("val/loss", self.val_loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl)
-
-    def configure_optimizers(self) -> Any:
-        return build_optimizers(self, self.optimizer_factory, self.scheduler_factory, self.hparams.weight_decay)
 
