@@ -51,14 +51,14 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "initialize": "deepspeed.engine", "init_distributed": "deepspeed.launch",  # DeepSpeed's loop API
     "add_config_arguments": "deepspeed.arguments", "get_accelerator": "deepspeed.accelerator",  # DeepSpeed's scripts
     "init_inference": "deepspeed.unsupported",  # raises, naming what to do instead
-    "ZeroOptimizer": "engine", "gathered_parameters": "engine.parameters",
+    "ZeroOptimizer": "engine", "gathered_parameters": "engine.params.flat_parameters",
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",
     "load_pretrained": "pretrained", "sharded_init": "pretrained",
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
     "any_rank_busy": "generation", "Join": "engine.join",  # ranks whose work differs: see the README
-    "UnitOrderError": "engine.watchdog", "CollectiveError": "engine.watchdog",  # ranks out of step, hung collectives
+    "UnitOrderError": "engine.diagnose.watchdog", "CollectiveError": "engine.diagnose.watchdog",  # ranks out of step, hung collectives
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
                "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "pretrained",
