@@ -6,10 +6,12 @@ a message that names the value, what is allowed, and what to do instead.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -27,199 +29,212 @@ MIN_MMAP_THRESHOLD_MB, MAX_MMAP_THRESHOLD_MB = 0.125, 32
 see cpu_mmap_threshold_mb."""
 
 
+def option(default: Any, *, deepspeed: Union[str, tuple[str, ...]], doc: str, argument: bool = True) -> Any:
+    """A ZeroConfig field, its doc in ``metadata["doc"]`` (read at run time). ``deepspeed``: the DeepSpeed config
+    keys, dotted ("zero_optimization.stage"), it is read from; () when DeepSpeed has none. ``argument``:
+    False for a field the front ends set from elsewhere instead of taking it as an argument."""
+    keys = (deepspeed,) if isinstance(deepspeed, str) else tuple(deepspeed)
+    return field(default=default, metadata={"doc": inspect.cleandoc(doc), "deepspeed": keys, "argument": argument})
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """What the engine shards and how it communicates."""
 
-    stage: int = 2
-    """1: shard optimizer state (and fp32 master weights); gradients stay whole on every rank and
-    are reduce-scattered once before the step. 2: also shard gradients; each bucket is
-    reduce-scattered as soon as backward has produced it and only the owned slice is kept."""
+    stage: int = option(2, deepspeed="zero_optimization.stage", doc="""
+        1: shard optimizer state (and fp32 master weights); gradients stay whole on every rank and
+        are reduce-scattered once before the step. 2: also shard gradients; each bucket is
+        reduce-scattered as soon as backward has produced it and only the owned slice is kept.""")
 
-    bucket_cap_mb: float = 25.0
-    """Size of one communication bucket (a "segment" of a flat buffer), in MiB of the parameter
-    dtype. 25 MiB is DDP's default: large enough to amortise a collective's latency, small
-    enough that reduction of early buckets overlaps the rest of backward."""
+    bucket_cap_mb: float = option(25.0, deepspeed=("zero_optimization.reduce_bucket_size",
+                                                   "zero_optimization.allgather_bucket_size"), doc="""
+        Size of one communication bucket (a "segment" of a flat buffer), in MiB of the parameter
+        dtype. 25 MiB is DDP's default: large enough to amortise a collective's latency, small
+        enough that reduction of early buckets overlaps the rest of backward.""")
 
-    shard_modules: tuple[Union[str, type], ...] = ()
-    """Stage 3: module classes (or class names) whose instances are each one unit, gathered with one
-    all-gather around their forward and backward, e.g. ("Block",) for a transformer's layers."""
+    shard_modules: Sequence[Union[str, type]] = option((), deepspeed=(), doc="""
+        Stage 3: module classes (or class names) whose instances are each one unit, gathered with one
+        all-gather around their forward and backward, e.g. ("Block",) for a transformer's layers.""")
 
-    unit_params: Optional[int] = None
-    """Stage 3 without shard_modules: the size units are cut to, in parameters (see [Note: default units] in engine/params/plan.py). None: one bucket, and at most an eighth of the model."""
+    unit_params: Optional[int] = option(None, deepspeed=(), doc="""
+        Stage 3 without shard_modules: the size units are cut to, in parameters (see [Note: default
+        units] in engine/params/plan.py). None: one bucket, and at most an eighth of the model.""")
 
-    param_persistence_threshold: int = 100_000
-    """Stage 3: parameters with fewer elements stay whole on every rank (biases, norms): gathering
-    them would cost more in latency than keeping them saves. DeepSpeed's default."""
+    param_persistence_threshold: int = option(
+        100_000, deepspeed="zero_optimization.stage3_param_persistence_threshold", doc="""
+        Stage 3: parameters with fewer elements stay whole on every rank (biases, norms): gathering
+        them would cost more in latency than keeping them saves. DeepSpeed's default.""")
 
-    prefetch: bool = True
-    """Stage 3: start the next unit's all-gather when a unit starts (forward) or is reached (backward)."""
+    prefetch: bool = option(True, deepspeed="zero_optimization.stage3_prefetch_bucket_size", doc="""
+        Stage 3: start the next unit's all-gather when a unit starts (forward) or is reached (backward).""")
 
-    master_weights: bool = True
-    """Low-precision (bf16/fp16) trainable parameters get an fp32 master copy of this rank's shard,
-    which the optimizer updates ("bf16-mixed", "16-mixed"). False updates the low-precision
-    parameters themselves ("bf16-true", "16-true"). fp32 parameters are their own master either way.
-    ``master_weights_dtype="bf16"`` overrides it for bf16 weights: they are their own master, updated
-    with stochastic rounding (``master_dtype`` then says None: no copy)."""
+    master_weights: bool = option(True, deepspeed=(), argument=False, doc="""
+        Low-precision (bf16/fp16) trainable parameters get an fp32 master copy of this rank's shard,
+        which the optimizer updates ("bf16-mixed", "16-mixed"). False updates the low-precision
+        parameters themselves ("bf16-true", "16-true"). fp32 parameters are their own master either way.
+        ``master_weights_dtype="bf16"`` overrides it for bf16 weights: they are their own master, updated
+        with stochastic rounding (``master_dtype`` then says None: no copy).""")
 
-    allow_untested_optimizer: bool = False
-    """Re-create optimizer classes this package has not verified to be elementwise. A wrong
-    guess silently changes the update (the optimizer sees a flat shard, not the parameter's
-    shape), so this is opt-in, as with DeepSpeed's ``zero_allow_untested_optimizer``."""
+    allow_untested_optimizer: bool = option(False, deepspeed="zero_allow_untested_optimizer", doc="""
+        Re-create optimizer classes this package has not verified to be elementwise. A wrong
+        guess silently changes the update (the optimizer sees a flat shard, not the parameter's
+        shape), so this is opt-in, as with DeepSpeed's ``zero_allow_untested_optimizer``.""")
 
-    offload_optimizer: bool = False
-    """Keep the fp32 master weights and the optimizer state in host memory (pinned on CUDA) and run
-    the step on the host; gradients go to the host as their buckets are reduced. Stages 1-3."""
+    offload_optimizer: bool = option(False, deepspeed="zero_optimization.offload_optimizer.device", doc="""
+        Keep the fp32 master weights and the optimizer state in host memory (pinned on CUDA) and run
+        the step on the host; gradients go to the host as their buckets are reduced. Stages 1-3.""")
 
-    offload_params: bool = False
-    """Stage 3: keep each rank's parameter shards in host memory; a unit's shard goes to the device
-    only for its all-gather."""
+    offload_params: bool = option(False, deepspeed="zero_optimization.offload_param.device", doc="""
+        Stage 3: keep each rank's parameter shards in host memory; a unit's shard goes to the device
+        only for its all-gather.""")
 
-    offload_dir: Optional[str] = None
-    """With offload_optimizer: keep the optimizer state in files in this folder (an NVMe mount, say)
-    instead of host memory, and step it in tiles of ``offload_tile_mb`` (ZeRO-Infinity)."""
+    offload_dir: Optional[str] = option(None, deepspeed="zero_optimization.offload_optimizer.nvme_path", doc="""
+        With offload_optimizer: keep the optimizer state in files in this folder (an NVMe mount, say)
+        instead of host memory, and step it in tiles of ``offload_tile_mb`` (ZeRO-Infinity).""")
 
-    offload_tile_mb: float = 64.0
-    """With offload_dir: MiB of fp32 master weights stepped per tile; host memory holds a few tiles."""
+    offload_tile_mb: float = option(64.0, deepspeed="zero_optimization.sub_group_size", doc="""
+        With offload_dir: MiB of fp32 master weights stepped per tile; host memory holds a few tiles.""")
 
-    offload_overlap: bool = False
-    """With offload_optimizer at stage 2 or 3: start each segment's host update during backward, as soon
-    as its reduced gradient reaches the host, and commit it at the step where it is the step's own
-    (DeepSpeed's ``super_offload``). Equal results; costs host memory, a copy of the masters and of the
-    state (see [Note: the overlapped host step] in engine/optim/step/overlap.py). Off by default: it helps only
-    where the device computes while the host is idle."""
+    offload_overlap: bool = option(False, deepspeed="zero_optimization.offload_optimizer.super_offload", doc="""
+        With offload_optimizer at stage 2 or 3: start each segment's host update during backward, as soon
+        as its reduced gradient reaches the host, and commit it at the step where it is the step's own
+        (DeepSpeed's ``super_offload``). Equal results; costs host memory, a copy of the masters and of the
+        state (see [Note: the overlapped host step] in engine/optim/step/overlap.py). Off by default: it helps only
+        where the device computes while the host is idle.""")
 
-    activation_checkpointing: tuple[Union[str, type], ...] = ()
-    """Module classes (or class names) whose forward is recomputed in backward instead of keeping
-    its activations (non-reentrant), e.g. ("Block",)."""
+    activation_checkpointing: Sequence[Union[str, type]] = option((), deepspeed=(), doc="""
+        Module classes (or class names) whose forward is recomputed in backward instead of keeping
+        its activations (non-reentrant), e.g. ("Block",).""")
 
-    activation_checkpointing_interval: int = 1
-    """Checkpoint every n-th matching module (1: all of them)."""
+    activation_checkpointing_interval: int = option(1, deepspeed=(), doc="""
+        Checkpoint every n-th matching module (1: all of them).""")
 
-    offload_activations: bool = False
-    """Keep the activations saved for backward in host memory (pinned on CUDA) until backward."""
+    offload_activations: bool = option(False, deepspeed="activation_checkpointing.cpu_checkpointing", doc="""
+        Keep the activations saved for backward in host memory (pinned on CUDA) until backward.""")
 
-    check_unit_order: bool = True
-    """Stage 3: every unit's all-gathers carry what each rank gathers them for, and every rank checks
-    them before using the weights, raising naming what each rank was doing if they differ (see
-    [Note: order guard] in engine/comm/order_guard.py), at every pass."""
+    check_unit_order: bool = option(True, deepspeed=(), doc="""
+        Stage 3: every unit's all-gathers carry what each rank gathers them for, and every rank checks
+        them before using the weights, raising naming what each rank was doing if they differ (see
+        [Note: order guard] in engine/comm/order_guard.py), at every pass.""")
 
-    unit_order_wait: float = 5.0
-    """Stage 3, seconds: a rank that has waited this long for a unit's all-gather posts what it gathers
-    on the process group's store and compares with the others' (ranks whose collectives differ in
-    size or kind get no header to compare: see [Note: order guard]). Far below collective_timeout."""
+    unit_order_wait: float = option(5.0, deepspeed=(), doc="""
+        Stage 3, seconds: a rank that has waited this long for a unit's all-gather posts what it gathers
+        on the process group's store and compares with the others' (ranks whose collectives differ in
+        size or kind get no header to compare: see [Note: order guard]). Far below collective_timeout.""")
 
-    check_unit_order_every: Optional[int] = None
-    """Deprecated, ignored (with a warning): the order guard used to check one pass in this many; it
-    now checks every pass, at no extra collective (see [Note: the collective header])."""
+    check_unit_order_every: Optional[int] = option(None, deepspeed=(), doc="""
+        Deprecated, ignored (with a warning): the order guard used to check one pass in this many; it
+        now checks every pass, at no extra collective (see [Note: the collective header]).""")
 
-    collective_timeout: Optional[float] = 600.0
-    """Seconds a gloo collective of the engine may wait before the process ends, printing what it
-    waited for (see [Note: hang watchdog] in engine/diagnose/watchdog.py); None: wait for the process group's
-    timeout. 10 minutes is a third of the process group's default of 30: a healthy collective never
-    waits that long, while a rank held up by a slow checkpoint write or a long validation still has time."""
+    collective_timeout: Optional[float] = option(600.0, deepspeed=(), doc="""
+        Seconds a gloo collective of the engine may wait before the process ends, printing what it
+        waited for (see [Note: hang watchdog] in engine/diagnose/watchdog.py); None: wait for the process group's
+        timeout. 10 minutes is a third of the process group's default of 30: a healthy collective never
+        waits that long, while a rank held up by a slow checkpoint write or a long validation still has time.""")
 
-    cpu_mmap_threshold_mb: Optional[float] = 4.0
-    """On CPU with glibc: blocks of this many MiB or more get pages of their own from malloc, given
-    back to the system when freed, so that the memory a step frees leaves the process (see [Note:
-    glibc's mmap threshold] in engine/buffers/malloc.py). Set for the whole process, for good, when the
-    engine is set up, unless the process was started with ``MALLOC_MMAP_THRESHOLD_`` or a
-    ``GLIBC_TUNABLES`` threshold (kept); from 0.125 (glibc's own starting value) to 32 (its limit).
-    None sets nothing: glibc's heap then keeps freed blocks (unless set earlier in the process)."""
+    cpu_mmap_threshold_mb: Optional[float] = option(4.0, deepspeed=(), doc="""
+        On CPU with glibc: blocks of this many MiB or more get pages of their own from malloc, given
+        back to the system when freed, so that the memory a step frees leaves the process (see [Note:
+        glibc's mmap threshold] in engine/buffers/malloc.py). Set for the whole process, for good, when the
+        engine is set up, unless the process was started with ``MALLOC_MMAP_THRESHOLD_`` or a
+        ``GLIBC_TUNABLES`` threshold (kept); from 0.125 (glibc's own starting value) to 32 (its limit).
+        None sets nothing: glibc's heap then keeps freed blocks (unless set earlier in the process).""")
 
-    quantized_weights: bool = False
-    """Stage 3: all-gather parameters block-quantized to int8 (one fp32 scale per
-    ``quantization_block_size`` elements; ZeRO++'s qwZ), in forward and backward: about a quarter of
-    the bytes for fp32 weights, half for bf16/fp16. The forward and backward then compute with the
-    dequantized weights (every rank the same ones); the optimizer still steps the exact shards, and
-    checkpoints and ``gathered_parameters`` gather exactly."""
+    quantized_weights: bool = option(False, deepspeed="zero_optimization.zero_quantized_weights", doc="""
+        Stage 3: all-gather parameters block-quantized to int8 (one fp32 scale per
+        ``quantization_block_size`` elements; ZeRO++'s qwZ), in forward and backward: about a quarter of
+        the bytes for fp32 weights, half for bf16/fp16. The forward and backward then compute with the
+        dequantized weights (every rank the same ones); the optimizer still steps the exact shards, and
+        checkpoints and ``gathered_parameters`` gather exactly.""")
 
-    quantized_gradients: Union[bool, str, None] = None
-    """Reduce gradients as block-quantized chunks, "int8" or "int4" (True: "int8"; ZeRO++'s qgZ),
-    dequantized and summed in fp32 on the receiving rank, so rounding errors do not add up along a
-    ring (see [Note: quantized reduce-scatter] in engine/comm/collectives.py). Stages 1-3."""
+    quantized_gradients: Union[bool, str, None] = option(
+        None, deepspeed="zero_optimization.zero_quantized_gradients", doc="""
+        Reduce gradients as block-quantized chunks, "int8" or "int4" (True: "int8"; ZeRO++'s qgZ),
+        dequantized and summed in fp32 on the receiving rank, so rounding errors do not add up along a
+        ring (see [Note: quantized reduce-scatter] in engine/comm/collectives.py). Stages 1-3.""")
 
-    quantization_block_size: int = 256
-    """Elements per fp32 scale of quantized_weights and quantized_gradients: a smaller block follows
-    the values more closely and sends more scales (4 bytes each: 1.6% more at 256 for int8)."""
+    quantization_block_size: int = option(256, deepspeed=(), doc="""
+        Elements per fp32 scale of quantized_weights and quantized_gradients: a smaller block follows
+        the values more closely and sends more scales (4 bytes each: 1.6% more at 256 for int8).""")
 
-    secondary_partition_size: Optional[int] = None
-    """Stage 3, ZeRO++'s hpZ: after a unit's forward, keep a shard of it over groups of this many
-    consecutive ranks (usually the devices per node), so its backward all-gather stays inside the
-    node; the primary shards and the optimizer step stay over all ranks. Costs 1/K of each unit's
-    bytes per rank between forward and backward (a quarter of that with quantized_weights). Must
-    divide the ranks per node; None: off."""
+    secondary_partition_size: Optional[int] = option(
+        None, deepspeed="zero_optimization.zero_hpz_partition_size", doc="""
+        Stage 3, ZeRO++'s hpZ: after a unit's forward, keep a shard of it over groups of this many
+        consecutive ranks (usually the devices per node), so its backward all-gather stays inside the
+        node; the primary shards and the optimizer step stay over all ranks. Costs 1/K of each unit's
+        bytes per rank between forward and backward (a quarter of that with quantized_weights). Must
+        divide the ranks per node; None: off.""")
 
-    async_save: bool = False
-    """Save sharded checkpoints in the background: the save returns once each rank has copied its
-    pieces into host buffers (kept between saves: one rank's share of the checkpoint, pinned on CUDA),
-    and a writer thread writes and commits the files while training goes on (see [Note: saving in the
-    background] in checkpoint/background.py). A second save, and the end of training, wait for it."""
+    async_save: bool = option(False, deepspeed=(), doc="""
+        Save sharded checkpoints in the background: the save returns once each rank has copied its
+        pieces into host buffers (kept between saves: one rank's share of the checkpoint, pinned on CUDA),
+        and a writer thread writes and commits the files while training goes on (see [Note: saving in the
+        background] in checkpoint/background.py). A second save, and the end of training, wait for it.""")
 
-    optimizer_state_dtype: str = "fp32"
-    """How the inner optimizer's elementwise state (Adam's moments, SGD's momentum, ...) is stored
-    between steps: "fp32" (torch's own), "bf16" (rounded stochastically, or to nearest with
-    ``stochastic_rounding=False``; any optimizer of ``ELEMENTWISE_OPTIMIZERS``) or "int8" (block-wise
-    codes with one fp32 scale per ``optimizer_state_block_size`` elements, a signed dynamic map for
-    first moments and momenta, an unsigned one for second moments: see [Note: int8 state] in
-    engine/optim/lowp.py; Adam, AdamW and SGD only). The update itself is the user's optimizer's, in fp32,
-    a tile at a time (see [Note: the low-precision step] in engine/optim/step/lowp.py). Parameters of fewer
-    than ``optimizer_state_min_numel`` elements keep fp32 state. With ``offload_optimizer`` the state
-    is stored encoded in host memory; ``offload_dir`` and ``offload_overlap`` are refused with it."""
+    optimizer_state_dtype: str = option("fp32", deepspeed="bf16.bf16_optimizer_states", doc="""
+        How the inner optimizer's elementwise state (Adam's moments, SGD's momentum, ...) is stored
+        between steps: "fp32" (torch's own), "bf16" (rounded stochastically, or to nearest with
+        ``stochastic_rounding=False``; any optimizer of ``ELEMENTWISE_OPTIMIZERS``) or "int8" (block-wise
+        codes with one fp32 scale per ``optimizer_state_block_size`` elements, a signed dynamic map for
+        first moments and momenta, an unsigned one for second moments: see [Note: int8 state] in
+        engine/optim/lowp.py; Adam, AdamW and SGD only). The update itself is the user's optimizer's, in fp32,
+        a tile at a time (see [Note: the low-precision step] in engine/optim/step/lowp.py). Parameters of fewer
+        than ``optimizer_state_min_numel`` elements keep fp32 state. With ``offload_optimizer`` the state
+        is stored encoded in host memory; ``offload_dir`` and ``offload_overlap`` are refused with it.""")
 
-    master_weights_dtype: str = "fp32"
-    """The dtype of the weights the optimizer updates. "fp32": as ``master_weights`` says (an fp32
-    copy of bf16/fp16 weights with ``master_weights=True``, the weights themselves without). "bf16"
-    (bf16 working weights only): the bf16 working weights are the master, at every stage (at stage 3
-    the rank's shard: no second copy), and each update, computed in fp32, is rounded into them
-    stochastically unless ``stochastic_rounding=False``; ``master_weights`` then makes no difference,
-    and ``master_dtype`` is None (no copy)."""
+    master_weights_dtype: str = option("fp32", deepspeed="bf16.bf16_master_weights_and_grads", doc="""
+        The dtype of the weights the optimizer updates. "fp32": as ``master_weights`` says (an fp32
+        copy of bf16/fp16 weights with ``master_weights=True``, the weights themselves without). "bf16"
+        (bf16 working weights only): the bf16 working weights are the master, at every stage (at stage 3
+        the rank's shard: no second copy), and each update, computed in fp32, is rounded into them
+        stochastically unless ``stochastic_rounding=False``; ``master_weights`` then makes no difference,
+        and ``master_dtype`` is None (no copy).""")
 
-    stochastic_rounding: bool = True
-    """Round bf16 masters and bf16 optimizer state stochastically (unbiased: small updates add up on
-    average; see [Note: stochastic rounding] in engine/optim/lowp.py); False: to nearest."""
+    stochastic_rounding: bool = option(True, deepspeed=(), doc="""
+        Round bf16 masters and bf16 optimizer state stochastically (unbiased: small updates add up on
+        average; see [Note: stochastic rounding] in engine/optim/lowp.py); False: to nearest.""")
 
-    stochastic_rounding_seed: int = 0
-    """Seed of the stochastic rounding's random bits, which hash (seed, step, parameter, element
-    position): the same bits on any world size and stage."""
+    stochastic_rounding_seed: int = option(0, deepspeed=(), doc="""
+        Seed of the stochastic rounding's random bits, which hash (seed, step, parameter, element
+        position): the same bits on any world size and stage.""")
 
-    optimizer_state_block_size: int = 256
-    """With ``optimizer_state_dtype="int8"``: elements per fp32 scale. The flat layout then starts every
-    parameter, and ends every shard, at a multiple of it (see [Note: blocks that survive a reshard])."""
+    optimizer_state_block_size: int = option(256, deepspeed=(), doc="""
+        With ``optimizer_state_dtype="int8"``: elements per fp32 scale. The flat layout then starts every
+        parameter, and ends every shard, at a multiple of it (see [Note: blocks that survive a reshard]).""")
 
-    optimizer_state_min_numel: int = 4096
-    """Parameters with fewer elements keep fp32 optimizer state (biases, norms), as the published
-    8-bit optimizers do: they cost little and are the most sensitive."""
+    optimizer_state_min_numel: int = option(4096, deepspeed=(), doc="""
+        Parameters with fewer elements keep fp32 optimizer state (biases, norms), as the published
+        8-bit optimizers do: they cost little and are the most sensitive.""")
 
     # ---- local accumulation (issue 32): see [Note: local accumulation] in engine/grads/accumulation.py
-    local_accumulation: bool = False
-    """Stages 2-3: micro-batches before an accumulation boundary (inside Lightning's accumulation,
-    ``fabric.no_backward_sync``, or before ``initialize``'s boundary) add their gradients into a
-    full-size local buffer per rank instead of reduce-scattering them; the boundary's backward
-    reduce-scatters the sum once. One reduction per optimizer step instead of one per micro-batch,
-    at the cost of an unsharded gradient buffer (4 bytes per parameter in fp32). Off by default.
-    Stage 1 always accumulates locally (its gradients are whole until the step): refused there."""
+    local_accumulation: bool = option(False, deepspeed="zero_optimization.local_accumulation", doc="""
+        Stages 2-3: micro-batches before an accumulation boundary (inside Lightning's accumulation,
+        ``fabric.no_backward_sync``, or before ``initialize``'s boundary) add their gradients into a
+        full-size local buffer per rank instead of reduce-scattering them; the boundary's backward
+        reduce-scatters the sum once. One reduction per optimizer step instead of one per micro-batch,
+        at the cost of an unsharded gradient buffer (4 bytes per parameter in fp32). Off by default.
+        Stage 1 always accumulates locally (its gradients are whole until the step): refused there.""")
 
-    grad_accum_dtype: str = "fp32"
-    """With local_accumulation: the dtype of the local buffer, "fp32" (the default: no rounding
-    over the micro-batches) or "working" (the parameters' dtype: half the bytes for bf16/fp16).
-    Without local_accumulation gradients accumulate in their reduced shard, in the working dtype,
-    whatever this says. DeepSpeed's ``data_types.grad_accum_dtype`` maps onto it."""
+    grad_accum_dtype: str = option("fp32", deepspeed="data_types.grad_accum_dtype", doc="""
+        With local_accumulation: the dtype of the local buffer, "fp32" (the default: no rounding
+        over the micro-batches) or "working" (the parameters' dtype: half the bytes for bf16/fp16).
+        Without local_accumulation gradients accumulate in their reduced shard, in the working dtype,
+        whatever this says. DeepSpeed's ``data_types.grad_accum_dtype`` maps onto it.""")
 
     # ---- hybrid sharding (issue 32): see [Note: hybrid sharding] in engine/comm/topology.py
-    shard_group_size: Union[int, str, None] = None
-    """HSDP (DeepSpeed's MiCS): shard over groups of this many consecutive ranks and replicate over
-    the world size / K groups, an int K dividing the world size or "node" (the ranks of one node).
-    Gradients are reduce-scattered within the group, then their shards all-reduced across the
-    groups; parameters are all-gathered within the group only. Memory per rank follows the ZeRO
-    formula with K in place of the world size. None (the default): shard over all ranks."""
+    shard_group_size: Union[int, str, None] = option(None, deepspeed="zero_optimization.mics_shard_size", doc="""
+        HSDP (DeepSpeed's MiCS): shard over groups of this many consecutive ranks and replicate over
+        the world size / K groups, an int K dividing the world size or "node" (the ranks of one node).
+        Gradients are reduce-scattered within the group, then their shards all-reduced across the
+        groups; parameters are all-gathered within the group only. Memory per rank follows the ZeRO
+        formula with K in place of the world size. None (the default): shard over all ranks.""")
 
-    replica_all_reduce: str = "boundary"
-    """With shard_group_size at stages 2-3 and gradient accumulation: when the gradient shards are
-    all-reduced across the shard groups. "boundary" (the default, as MiCS): once per optimizer step,
-    the micro-batches before it summed within the group into the shard (no extra memory; only the
-    order of additions differs); "every_backward": after each micro-batch's reduce-scatter, as
-    without accumulation. See [Note: hybrid sharding] in engine/comm/topology.py."""
+    replica_all_reduce: str = option("boundary", deepspeed=(), doc="""
+        With shard_group_size at stages 2-3 and gradient accumulation: when the gradient shards are
+        all-reduced across the shard groups. "boundary" (the default, as MiCS): once per optimizer step,
+        the micro-batches before it summed within the group into the shard (no extra memory; only the
+        order of additions differs); "every_backward": after each micro-batch's reduce-scatter, as
+        without accumulation. See [Note: hybrid sharding] in engine/comm/topology.py.""")
 
     def _check_shard_group_size(self) -> None:
         size = self.shard_group_size

@@ -39,10 +39,11 @@ checkpoint written here resumes under the Trainer and the other way round.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
