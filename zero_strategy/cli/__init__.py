@@ -3,7 +3,8 @@ applications, and ``zero-consolidate`` (consolidate.py), which needs neither Hyd
 
 The Hydra tools need the ``[app]`` extra; their entry points below check for it first and say how
 to install it, instead of failing deep in an import. ``configs.register_resolvers`` registers the
-config resolvers the YAML files use (``${zero.auto_devices:}``); train.py and estimate.py call it.
+config resolvers the YAML files use (``${zero.auto_devices:}``) and the strategy presets' base node
+(``strategy/zero_defaults``, made from ZeroConfig's fields); train.py and estimate.py call it.
 """
 
 from __future__ import annotations

@@ -10,8 +10,11 @@ checkout or an editable install, where ``zero_strategy/conf`` does not exist).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -42,6 +45,22 @@ def auto_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def zero_defaults() -> dict[str, Any]:
+    """The ``strategy/zero_defaults`` node: ZeroStrategy with every ZeroConfig option it takes at its
+    default, read from the fields (see [Note: one source for each option] in config.py). The strategy
+    presets build on it and list only what they change, and every option can be overridden as
+    ``strategy.<name>=...`` without a ``+``."""
+    from ..config import ZeroConfig
+
+    options = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+               for f in dataclasses.fields(ZeroConfig) if f.metadata["argument"]}
+    return {"_target_": "zero_strategy.ZeroStrategy", **options}
+
+
 def register_resolvers() -> None:
+    """The resolvers the YAML files use (``${zero.auto_devices:}``) and the config node made in code
+    (``strategy/zero_defaults``); idempotent. Call it before composing conf/."""
     if not OmegaConf.has_resolver("zero.auto_devices"):
         OmegaConf.register_new_resolver("zero.auto_devices", auto_devices)
+    ConfigStore.instance().store(group="strategy", name="zero_defaults", node=zero_defaults(),
+                                 provider="zero_strategy")
