@@ -12,13 +12,18 @@ they are not in ``total``.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import dataclasses
+import inspect
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
 from .checkpoint.background import checkpoint_buffer_bytes
 from .engine import ZeroOptimizer
 from .engine.params.flat_parameters import owner_of, owners_of
+
+if TYPE_CHECKING:
+    from .config import ZeroConfig
 
 KEYS = ("params", "grads", "optimizer_states", "master_params")
 LOCATIONS = ("device", "host", "disk")
@@ -152,6 +157,13 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     out["checkpoint_buffers"] = (int(round((param_b * num_params + (master_b + state_b) * trained) / shard))
                                  if async_save else 0)
     return out
+
+
+def estimated_options(config: ZeroConfig) -> dict[str, Any]:
+    """``config``'s values of the options that ``estimate_memory`` takes: those of its arguments that
+    are named as ZeroConfig's fields (with the fields' defaults: see [Note: one source for each option])."""
+    taken = inspect.signature(estimate_memory).parameters
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in taken}
 
 
 def _low_precision_bytes(precision: str, master_b: int, state_bytes: Optional[float], state_dtype: str,

@@ -31,7 +31,7 @@ from ..comm_model import DEFAULT_CLUSTER, Links, links, variant_rows
 from ..engine.comm.topology import resolve_shard_group_size
 from ..config import ZeroConfig
 from ..frontend.options import engine_arguments
-from ..memory import PRECISION_DTYPES, estimate_memory, normalize_precision
+from ..memory import PRECISION_DTYPES, estimate_memory, estimated_options, normalize_precision
 from .configs import config_dir, register_resolvers
 from .errors import explain_failure
 from .report import console, format_bytes, print_estimates
@@ -64,17 +64,25 @@ def default_world_size(trainer_cfg: DictConfig) -> int:
     return count * int(trainer_cfg.get("num_nodes", 1))
 
 
+# what each row of estimate_rows sets itself; the configured strategy's other options that
+# estimate_memory takes (memory.estimated_options) apply to the ZeRO stages' rows
+ROW_OPTIONS = ("stage", "offload_optimizer", "offload_params")
+
+
 def estimate_rows(num_params: int, world_size: int, precision: str, offload: bool,
                   base: Optional[ZeroConfig] = None) -> list[dict[str, Any]]:
-    """The formula's rows per stage (and offload preset). ``base``'s settings that change the bytes
-    count in the ZeRO stages' rows: its low-precision step (see ``lowp_settings``; not in DDP's row,
-    stage 0, nor offload's, which it does not support) and its local_accumulation (stages 2-3)."""
+    """The formula's rows per stage (and offload preset). ``base``'s options that estimate_memory takes
+    (``estimated_options``: the low-precision step, local_accumulation, ...) count in the ZeRO stages'
+    rows, not in DDP's (stage 0); the offload rows keep the fp32 step of the offload presets (the disk
+    step has no other), and stage 1 accumulates locally anyway (local_accumulation is refused there)."""
     def settings(stage: int, offloaded: bool = False) -> dict[str, Any]:
         if base is None or stage == 0:
             return {}
-        out = {} if offloaded else lowp_settings(base)
-        if base.local_accumulation and stage >= 2:
-            out.update(local_accumulation=True, grad_accum_dtype=base.grad_accum_dtype)
+        out = {k: v for k, v in estimated_options(base).items() if k not in ROW_OPTIONS}
+        if offloaded:
+            out.update(optimizer_state_dtype="fp32", master_weights_dtype="fp32")
+        if stage < 2:
+            out["local_accumulation"] = False
         return out
 
     rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision, **settings(s))}
@@ -87,12 +95,6 @@ def estimate_rows(num_params: int, world_size: int, precision: str, offload: boo
                                               offload_params=par, offload_disk=disk, **settings(s, offloaded=True))}
                  for s, name, par, disk in variants]
     return rows
-
-
-def lowp_settings(config: ZeroConfig) -> dict[str, Any]:
-    """The low-precision step's settings of ``config``, as estimate_memory takes them."""
-    return {"optimizer_state_dtype": config.optimizer_state_dtype, "master_weights_dtype": config.master_weights_dtype,
-            "optimizer_state_block_size": config.optimizer_state_block_size}
 
 
 def engine_settings(strategy_cfg: DictConfig) -> ZeroConfig:
