@@ -2,6 +2,27 @@
 
 Validation lives here, away from any process group, so a bad value fails at construction with
 a message that names the value, what is allowed, and what to do instead.
+
+[Note: one source for each option]
+Each option of the engine is written once, as a field of ZeroConfig made by ``option``: its name,
+type and default, its doc (``field.metadata["doc"]``), its DeepSpeed config keys
+(``metadata["deepspeed"]``, () for none) and whether the front ends take it as an argument
+(``metadata["argument"]``). Every door follows from the fields:
+- ZeroStrategy and ZeroFabricStrategy spell the arguments out in their signatures, because editors,
+  ``help()`` and zero-train's config check read those without running anything; a test holds them
+  equal to the fields (names, order, defaults, annotations), and their bodies pass them on by name
+  (``frontend.options.engine_arguments``);
+- zero-train's strategy presets build on ``zero_defaults``, a config node made from the fields
+  (cli/configs.py), and list only what they change;
+- the DeepSpeed mapping (deepspeed/config.py, deepspeed/keys.py) converts the keys declared here
+  (bucket elements into MiB, offload devices into flags, ...); a test maps each key and checks that
+  it reaches its option, and that the mapping sets no option that declares no key;
+- ``estimate_memory`` takes the options that change the bytes under their own names, and zero-estimate
+  passes them from the configured strategy by those names (``memory.estimated_options``);
+- the options page of the docs is generated from each field's ``metadata["doc"]``.
+Adding an option is one ``option(...)`` here with its validation, and its tests; then
+tests/test_options_source.py names the two copies that stay deliberate: the parameter line in each
+strategy's signature, and an example config for a DeepSpeed key it declares.
 """
 
 from __future__ import annotations
@@ -30,7 +51,7 @@ see cpu_mmap_threshold_mb."""
 
 
 def option(default: Any, *, deepspeed: Union[str, tuple[str, ...]], doc: str, argument: bool = True) -> Any:
-    """A ZeroConfig field, its doc in ``metadata["doc"]`` (read at run time). ``deepspeed``: the DeepSpeed config
+    """A ZeroConfig field (see [Note: one source for each option]). ``deepspeed``: the DeepSpeed config
     keys, dotted ("zero_optimization.stage"), it is read from; () when DeepSpeed has none. ``argument``:
     False for a field the front ends set from elsewhere instead of taking it as an argument."""
     keys = (deepspeed,) if isinstance(deepspeed, str) else tuple(deepspeed)

@@ -89,7 +89,7 @@ class FrontEndOptions:
 def engine_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
     """The ZeroConfig fields among a front end's constructor arguments (its ``locals()``). Each front end
     spells every field out in its signature (IDEs, ``help()`` and zero-train's config checks read it);
-    tests/test_config.py checks that none is missing."""
+    tests/test_options_source.py holds them equal to the fields (see [Note: one source for each option])."""
     return {name: arguments[name] for name in ZeroConfig.__dataclass_fields__ if name in arguments}
 
 
