@@ -1,9 +1,9 @@
 """Each option of ZeroConfig is written once, and every door follows from it (see [Note: one source
 for each option] in zero_strategy/config.py). Fast: no process group, nothing launched.
 
-A new option needs, besides its ``option(...)`` in config.py and its own tests: its parameter in
-ZeroStrategy's and ZeroFabricStrategy's signatures (written out for editors; checked equal here), and
-an entry in DEEPSPEED_EXAMPLES below when it declares a DeepSpeed key. Nothing else names it."""
+A new option needs, besides its ``option(...)`` in config.py and its own tests, an entry in
+DEEPSPEED_EXAMPLES below when it declares a DeepSpeed key. Nothing else names it: the front ends'
+signatures are made from the fields ([Note: the front ends' signatures] in frontend/options.py)."""
 
 from __future__ import annotations
 
@@ -43,18 +43,24 @@ def _front_ends() -> list[type]:
 
 @pytest.mark.parametrize("index", [0, 1], ids=["ZeroStrategy", "ZeroFabricStrategy"])
 def test_front_end_signature_is_the_fields(index):
-    # written out for editors and help(), which read it without running code; equal to the fields here
+    # made from the fields; what help(), LightningCLI, Hydra and the docs read
     front_end = _front_ends()[index]
     params = list(inspect.signature(front_end).parameters.values())
     missing = [f.name for f in ARGUMENTS if f.name not in {p.name for p in params}]
     assert not missing, f"{front_end.__name__} lacks {missing}: add them to its signature, as ZeroConfig has them"
     assert [p.name for p in params[:len(ARGUMENTS)]] == [f.name for f in ARGUMENTS], "ZeroConfig's order, first"
     assert not {f.name for f in FIELDS} & {p.name for p in params[len(ARGUMENTS):]}
-    hints, field_hints = typing.get_type_hints(front_end.__init__), typing.get_type_hints(ZeroConfig)
+    field_hints = typing.get_type_hints(ZeroConfig)
     for f, p in zip(ARGUMENTS, params):
         assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, f.name
         assert p.default == f.default and type(p.default) is type(f.default), (f.name, p.default, f.default)
-        assert hints[f.name] == field_hints[f.name], (f.name, hints[f.name], field_hints[f.name])
+        assert p.annotation == field_hints[f.name], (f.name, p.annotation, field_hints[f.name])
+    from zero_strategy.frontend.options import FRONT_END_OPTIONS
+
+    assert params[-len(FRONT_END_OPTIONS):] == list(FRONT_END_OPTIONS)
+    assert front_end(3).config.stage == 3  # the first positional argument is the stage, as it always was
+    with pytest.raises(TypeError, match="stag"):
+        front_end(stag=3)
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["ZeroStrategy", "ZeroFabricStrategy"])
@@ -65,13 +71,30 @@ def test_front_end_passes_every_option_on_by_name(index, monkeypatch):
     class Passed(Exception):
         pass
 
-    def read_options(engine, **_):
-        raise Passed(engine)
+    def read_options(options):
+        raise Passed({name: options[name] for name in given})
 
     monkeypatch.setattr(inspect.getmodule(front_end), "read_options", read_options)
     with pytest.raises(Passed) as passed:
         front_end(**given)
     assert passed.value.args[0] == given
+
+
+def test_lightning_cli_sets_every_option_from_the_command_line(tmp_path, monkeypatch):
+    """LightningCLI (jsonargparse) reads the signature: ``--trainer.strategy.<option>`` for any option."""
+    pytest.importorskip("jsonargparse")
+    monkeypatch.setattr("sys.argv", ["train.py"])  # the command line is args= below
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    cli = LightningCLI(BoringModel, run=False, save_config_kwargs={"overwrite": True}, args=[
+        "--trainer.accelerator=cpu", "--trainer.devices=1", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.strategy=zero_strategy.ZeroStrategy", "--trainer.strategy.stage=3",
+        "--trainer.strategy.shard_modules=[Linear]", "--trainer.strategy.offload_tile_mb=8",
+        "--trainer.strategy.start_method=spawn"])
+    strategy = cli.trainer.strategy
+    assert (strategy.config.stage, strategy.config.shard_modules, strategy.config.offload_tile_mb) == (3, ("Linear",), 8.0)
+    assert strategy._start_method == "spawn"
 
 
 # ---- zero-train's strategy presets ----------------------------------------------------------------

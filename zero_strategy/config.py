@@ -8,10 +8,9 @@ Each option of the engine is written once, as a field of ZeroConfig made by ``op
 type and default, its doc (``field.metadata["doc"]``), its DeepSpeed config keys
 (``metadata["deepspeed"]``, () for none) and whether the front ends take it as an argument
 (``metadata["argument"]``). Every door follows from the fields:
-- ZeroStrategy and ZeroFabricStrategy spell the arguments out in their signatures, because editors,
-  ``help()`` and zero-train's config check read those without running anything; a test holds them
-  equal to the fields (names, order, defaults, annotations), and their bodies pass them on by name
-  (``frontend.options.engine_arguments``);
+- ZeroStrategy and ZeroFabricStrategy take every field whose ``argument`` is True, with its type and
+  default, through a signature made from the fields ([Note: the front ends' signatures] in
+  frontend/options.py), which help(), LightningCLI, Hydra and the docs read;
 - zero-train's strategy presets build on ``zero_defaults``, a config node made from the fields
   (cli/configs.py), and list only what they change;
 - the DeepSpeed mapping (deepspeed/config.py, deepspeed/keys.py) converts the keys declared here
@@ -20,9 +19,8 @@ type and default, its doc (``field.metadata["doc"]``), its DeepSpeed config keys
 - ``estimate_memory`` takes the options that change the bytes under their own names, and zero-estimate
   passes them from the configured strategy by those names (``memory.estimated_options``);
 - the options page of the docs is generated from each field's ``metadata["doc"]``.
-Adding an option is one ``option(...)`` here with its validation, and its tests; then
-tests/test_options_source.py names the two copies that stay deliberate: the parameter line in each
-strategy's signature, and an example config for a DeepSpeed key it declares.
+Adding an option is one ``option(...)`` here with its validation, and its tests; tests/test_options_source.py
+then asks for an example config of a DeepSpeed key it declares, and checks every door.
 """
 
 from __future__ import annotations

@@ -41,14 +41,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -68,8 +66,7 @@ from .engine.grads.accumulation import deferred_reduction, defers
 from .frontend import (EngineModel, WorkingPrecision, add_optimizers, clip_grad_norm, clip_grad_value,
                        load_full_model, move_module, setup_engine)
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
-from .frontend.options import (DeepSpeedConfig, ProcessLayout, barrier, broadcast_object, engine_arguments,
-                               read_options)
+from .frontend.options import ProcessLayout, barrier, broadcast_object, read_options, takes_options
 from .frontend.precision import generic_precision_name
 from .frontend.pretrained import save_pretrained
 from .memory import memory_stats
@@ -164,57 +161,16 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
     is ``Fabric(strategy=ZeroFabricStrategy(stage=2))``.
     """
 
+    @takes_options
     def __init__(
         self,
-        stage: int = 2,
-        bucket_cap_mb: float = 25.0,
-        shard_modules: Sequence[Union[str, type]] = (),
-        unit_params: Optional[int] = None,
-        param_persistence_threshold: int = 100_000,
-        prefetch: bool = True,
-        allow_untested_optimizer: bool = False,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
-        offload_dir: Optional[str] = None,
-        offload_tile_mb: float = 64.0,
-        offload_overlap: bool = False,
-        activation_checkpointing: Sequence[Union[str, type]] = (),
-        activation_checkpointing_interval: int = 1,
-        offload_activations: bool = False,
-        check_unit_order: bool = True,
-        unit_order_wait: float = 5.0,
-        check_unit_order_every: Optional[int] = None,
-        collective_timeout: Optional[float] = 600.0,
-        cpu_mmap_threshold_mb: Optional[float] = 4.0,
-        quantized_weights: bool = False,
-        quantized_gradients: Union[bool, str, None] = None,
-        quantization_block_size: int = 256,
-        secondary_partition_size: Optional[int] = None,
-        async_save: bool = False,
-        optimizer_state_dtype: str = "fp32",
-        master_weights_dtype: str = "fp32",
-        stochastic_rounding: bool = True,
-        stochastic_rounding_seed: int = 0,
-        optimizer_state_block_size: int = 256,
-        optimizer_state_min_numel: int = 4096,
-        local_accumulation: bool = False,
-        grad_accum_dtype: str = "fp32",
-        shard_group_size: Union[int, str, None] = None,
-        replica_all_reduce: str = "boundary",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Union[timedelta, float, None] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        state_dict_type: Literal["sharded", "full"] = "sharded",
-        verify_checkpoints: bool = True,
-        config: Optional[DeepSpeedConfig] = None,
+        **given: Any,  # every ZeroConfig field and FRONT_END_OPTIONS: see [Note: the front ends' signatures]
     ) -> None:
-        engine = engine_arguments(locals())  # ZeroConfig's fields, as given
-        options = read_options(engine, state_dict_type=state_dict_type, verify_checkpoints=verify_checkpoints,
-                               start_method=start_method, timeout=timeout, config=config)
+        options = read_options(given)
         if options.deepspeed is not None:
             _refuse_loop_settings(options.deepspeed)
             if precision is None and options.precision_from_config is not None:
@@ -225,7 +181,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
         self._num_nodes = 1
-        self._process_group_backend = process_group_backend
+        self._process_group_backend: Optional[str] = given["process_group_backend"]
         self._comm: Optional[Collectives] = None
         self._engines: list[EngineModel] = []  # one per module set up
         self._backward_sync_control = _ZeroBackwardSyncControl(self)

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -35,7 +33,7 @@ from .checkpoint.deepspeed import fit_to_module
 from .checkpoint.sharded import masters_from_state_dict, on_every_rank
 from .config import ZeroConfig
 from .deepspeed.config import DeepSpeedSettings
-from .deepspeed.trainer import DeepSpeedConfig, apply_to_trainer, check_batch_size, optimizers_from_config
+from .deepspeed.trainer import apply_to_trainer, check_batch_size, optimizers_from_config
 from .engine import Collectives, FlatParameters, ZeroOptimizer
 from .names import register_names
 from .engine.grads.accumulation import deferred_reduction
@@ -44,7 +42,7 @@ from .engine.diagnose.watchdog import install_sigterm_handler
 from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,
                        load_sharded_optimizers, move_module, open_sharded, read_deepspeed, save_sharded_model,
                        setup_engine)
-from .frontend.options import ProcessLayout, barrier, broadcast_object, engine_arguments, read_options
+from .frontend.options import ProcessLayout, barrier, broadcast_object, read_options, takes_options
 from .frontend.pretrained import save_pretrained
 from .frontend.setup import engine_config
 from .memory import memory_stats
@@ -92,58 +90,17 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
     strategy_name = "zero"
     is_distributed = True  # Lightning reads this to inject the DistributedSampler and sync logs
 
+    @takes_options
     def __init__(
         self,
-        stage: int = 2,
-        bucket_cap_mb: float = 25.0,
-        shard_modules: Sequence[Union[str, type]] = (),
-        unit_params: Optional[int] = None,
-        param_persistence_threshold: int = 100_000,
-        prefetch: bool = True,
-        allow_untested_optimizer: bool = False,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
-        offload_dir: Optional[str] = None,
-        offload_tile_mb: float = 64.0,
-        offload_overlap: bool = False,
-        activation_checkpointing: Sequence[Union[str, type]] = (),
-        activation_checkpointing_interval: int = 1,
-        offload_activations: bool = False,
-        check_unit_order: bool = True,
-        unit_order_wait: float = 5.0,
-        check_unit_order_every: Optional[int] = None,
-        collective_timeout: Optional[float] = 600.0,
-        cpu_mmap_threshold_mb: Optional[float] = 4.0,
-        quantized_weights: bool = False,
-        quantized_gradients: Union[bool, str, None] = None,
-        quantization_block_size: int = 256,
-        secondary_partition_size: Optional[int] = None,
-        async_save: bool = False,
-        optimizer_state_dtype: str = "fp32",
-        master_weights_dtype: str = "fp32",
-        stochastic_rounding: bool = True,
-        stochastic_rounding_seed: int = 0,
-        optimizer_state_block_size: int = 256,
-        optimizer_state_min_numel: int = 4096,
-        local_accumulation: bool = False,
-        grad_accum_dtype: str = "fp32",
-        shard_group_size: Union[int, str, None] = None,
-        replica_all_reduce: str = "boundary",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Union[timedelta, float, None] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        state_dict_type: Literal["sharded", "full"] = "sharded",
-        verify_checkpoints: bool = True,
-        config: Optional[DeepSpeedConfig] = None,
+        **given: Any,  # every ZeroConfig field and FRONT_END_OPTIONS: see [Note: the front ends' signatures]
     ) -> None:
-        engine = engine_arguments(locals())  # ZeroConfig's fields, as given
-        options = read_options(engine, state_dict_type=state_dict_type, verify_checkpoints=verify_checkpoints,
-                               start_method=start_method, timeout=timeout, config=config)
+        options = read_options(given)
         self.deepspeed: Optional[DeepSpeedSettings] = options.deepspeed  # see deepspeed_config.py
         if precision_plugin is None and options.precision_from_config is not None:
             name, kwargs = options.precision_from_config
@@ -155,7 +112,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._num_nodes = 1
-        self._process_group_backend = process_group_backend
+        self._process_group_backend: Optional[str] = given["process_group_backend"]
         self._timeout = options.timeout
         self._start_method = options.start_method
         self._comm: Optional[Collectives] = None  # every collective of the engine, once the process group exists

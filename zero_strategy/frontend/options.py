@@ -1,6 +1,15 @@
 """The options every Lightning front end takes (ZeroStrategy, ZeroFabricStrategy), checked once,
 and the process group they start. No Lightning here: each front end passes its own arguments.
 
+[Note: the front ends' signatures]
+ZeroStrategy and ZeroFabricStrategy take every ZeroConfig field and the options of ``FRONT_END_OPTIONS``
+as arguments, beside the few their Lightning base takes. Neither writes them out: ``takes_options``
+gives each ``__init__`` its whole signature from the two sources, in the order they always had (the
+engine's first, so ``ZeroStrategy(3)`` is stage 3; then the front end's own; then the shared ones),
+each with its type and default. ``inspect.signature``, ``help()``, LightningCLI and jsonargparse, Hydra
+and the docs read that signature, so a new field is an argument of both front ends with nothing else
+written (tests/test_options_source.py). Static readers (an editor's completion) see ``**options``.
+
 A DeepSpeed config (``config=ds.json``) sets the engine's settings and the precision (see
 ``engine_settings``); what it says about the loop (accumulation, clipping, optimizer, schedule,
 batch sizes) is each front end's to apply or refuse.
@@ -9,10 +18,13 @@ batch sizes) is each front end's to apply or refuse.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import os
+import typing
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +36,46 @@ from ..deepspeed.config import DeepSpeedConfigError, DeepSpeedSettings, map_deep
 DeepSpeedConfig = Union[Mapping[str, Any], str, os.PathLike]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 STATE_DICT_TYPES = ("sharded", "full")
+
+
+def _keyword(name: str, default: Any, annotation: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+
+
+FRONT_END_OPTIONS = (
+    _keyword("process_group_backend", None, Optional[str]),  # None: NCCL on CUDA, gloo otherwise
+    _keyword("timeout", dist.constants.default_pg_timeout, Union[timedelta, float, None]),  # the process group's
+    _keyword("start_method", "popen", Literal["popen", "spawn", "fork", "forkserver"]),  # see START_METHODS
+    _keyword("state_dict_type", "sharded", Literal["sharded", "full"]),  # see STATE_DICT_TYPES
+    _keyword("verify_checkpoints", True, bool),  # check every part read against its checksum
+    _keyword("config", None, Optional[DeepSpeedConfig]),  # a DeepSpeed config: a dict or a JSON file
+)
+"""The options of every front end beyond the engine's (see [Note: the front ends' signatures])."""
+
+
+def engine_options() -> list[inspect.Parameter]:
+    """ZeroConfig's fields that the front ends take, as parameters with their types and defaults."""
+    hints = typing.get_type_hints(ZeroConfig)
+    return [_keyword(f.name, f.default, hints[f.name]) for f in dataclasses.fields(ZeroConfig) if f.metadata["argument"]]
+
+
+def takes_options(init: Callable[..., None]) -> Callable[..., None]:
+    """``init(self, <the front end's own arguments>, **options)`` with its whole signature (see [Note: the
+    front ends' signatures]); ``options`` gets every engine and front-end option, defaults filled in."""
+    own = inspect.signature(init)
+    this, *mine = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    signature = own.replace(parameters=[this, *engine_options(), *mine, *FRONT_END_OPTIONS])
+
+    @functools.wraps(init)
+    def with_options(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)  # a misspelt option: TypeError naming it, as before
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        del given[this.name]
+        init(self, **given)
+
+    with_options.__signature__ = signature  # type: ignore[attr-defined]
+    return with_options
 
 
 def as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:
@@ -87,16 +139,16 @@ class FrontEndOptions:
 
 
 def engine_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """The ZeroConfig fields among a front end's constructor arguments (its ``locals()``). Each front end
-    spells every field out in its signature (IDEs, ``help()`` and zero-train's config checks read it);
-    tests/test_options_source.py holds them equal to the fields (see [Note: one source for each option])."""
+    """The ZeroConfig fields among ``arguments`` (a front end's options, a Hydra strategy node)."""
     return {name: arguments[name] for name in ZeroConfig.__dataclass_fields__ if name in arguments}
 
 
-def read_options(engine: dict[str, Any], *, state_dict_type: str, verify_checkpoints: bool, start_method: str,
-                 timeout: Union[timedelta, float, None], config: Optional[DeepSpeedConfig]) -> FrontEndOptions:
-    """Check a front end's arguments (``engine``: ZeroConfig's fields), raising for a bad one with its
-    value, what is allowed and what to do."""
+def read_options(options: Mapping[str, Any]) -> FrontEndOptions:
+    """Check a front end's ``options`` (ZeroConfig's fields and ``FRONT_END_OPTIONS``), raising for a bad
+    one with its value, what is allowed and what to do."""
+    engine = engine_arguments(options)
+    state_dict_type, verify_checkpoints = options["state_dict_type"], options["verify_checkpoints"]
+    start_method, timeout, config = options["start_method"], options["timeout"], options["config"]
     deepspeed = None
     if config is not None:
         deepspeed, engine = engine_settings(config, engine)
