@@ -63,11 +63,11 @@ from .config import ZeroConfig
 from .engine import Collectives, ZeroOptimizer
 from .names import register_names
 from .engine.grads.accumulation import deferred_reduction, defers
-from .frontend import (EngineModel, WorkingPrecision, add_optimizers, clip_grad_norm, clip_grad_value,
+from .frontend import (EngineModel, add_optimizers, clip_grad_norm, clip_grad_value,
                        load_full_model, move_module, setup_engine)
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
 from .frontend.options import ProcessLayout, barrier, broadcast_object, read_options, takes_options
-from .frontend.precision import generic_precision_name
+from .frontend.precision import WorkingPrecisionPlugin, generic_precision_name
 from .frontend.pretrained import save_pretrained
 from .memory import memory_stats
 from .checkpoint.pretrained_files import is_pretrained_path
@@ -79,18 +79,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ZeroFabricPrecision", "ZeroFabricStrategy"]
 
 
-class ZeroFabricPrecision(Precision):
+class ZeroFabricPrecision(WorkingPrecisionPlugin, Precision):
     """Fabric's precision plugin for ZeRO: Fabric's hooks around the shared ``WorkingPrecision``
     (see [Note: precision]), with DeepSpeed's fp16 loss-scaling knobs (as ZeroPrecision takes them)."""
-
-    def __init__(self, precision: str = "32-true", loss_scale: float = 0.0, initial_scale_power: int = 16,
-                 loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0) -> None:
-        self.working = WorkingPrecision(precision, loss_scale, initial_scale_power, loss_scale_window, hysteresis,
-                                        min_loss_scale)
-        self.precision = precision  # type: ignore[assignment]
-
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        return self.working.convert_module(module)
 
     def tensor_init_context(self) -> AbstractContextManager:
         return self.working.default_dtype()
@@ -102,9 +93,6 @@ class ZeroFabricPrecision(Precision):
         """See [Note: Fabric calls that change meaning or are refused]: ``fabric.autocast()``."""
         return nullcontext() if self.working.dtype is torch.float32 else self.working.default_dtype()
 
-    def convert_input(self, data: Any) -> Any:
-        return self.working.convert_input(data)
-
     def convert_output(self, data: Any) -> Any:
         if self.working.dtype is torch.float32:
             return data
@@ -113,12 +101,6 @@ class ZeroFabricPrecision(Precision):
 
     def backward(self, tensor: Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         self.working.scale_loss(tensor).backward(*args, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.working.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.working.load_state_dict(state_dict)
 
 
 def to_fabric_precision(plugin: Optional[Precision]) -> Optional[ZeroFabricPrecision]:

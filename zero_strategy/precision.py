@@ -13,8 +13,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .engine import LossScaler, ZeroOptimizer
-from .frontend import SUPPORTED_PRECISION, WorkingPrecision, clip_grad_norm, clip_grad_value
-from .frontend.precision import generic_precision_name
+from .frontend import SUPPORTED_PRECISION, clip_grad_norm, clip_grad_value
+from .frontend.precision import WorkingPrecisionPlugin, generic_precision_name
 
 __all__ = ["SUPPORTED_PRECISION", "ZeroPrecision", "to_zero_precision"]
 
@@ -24,7 +24,7 @@ def _engine(optimizer: Any) -> Optional[ZeroOptimizer]:
     return optimizer if isinstance(optimizer, ZeroOptimizer) else None
 
 
-class ZeroPrecision(Precision):
+class ZeroPrecision(WorkingPrecisionPlugin, Precision):
     """Precision for ZeRO: low-precision working weights with fp32 master shards (see
     [Note: precision]), fp16 loss scaling, and gradients reduced before clipping sees them.
 
@@ -36,12 +36,6 @@ class ZeroPrecision(Precision):
     fp16 loss scaling takes DeepSpeed's knobs: ``loss_scale`` (0: dynamic, else a static scale),
     ``initial_scale_power``, ``loss_scale_window``, ``hysteresis`` and ``min_loss_scale``.
     """
-
-    def __init__(self, precision: str = "32-true", loss_scale: float = 0.0, initial_scale_power: int = 16,
-                 loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0) -> None:
-        self.working = WorkingPrecision(precision, loss_scale, initial_scale_power, loss_scale_window, hysteresis,
-                                        min_loss_scale)
-        self.precision = precision  # type: ignore[assignment]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -58,16 +52,10 @@ class ZeroPrecision(Precision):
 
     # ---- dtypes of the module, its inputs and outputs --------------------------------------
 
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return self.working.convert_module(module)
-
     @contextmanager
     def module_init_context(self) -> Generator[None, None, None]:
         with self.working.default_dtype():
             yield
-
-    def convert_input(self, data: Any) -> Any:
-        return self.working.convert_input(data)
 
     # ---- backward and step -----------------------------------------------------------------
 
@@ -101,14 +89,6 @@ class ZeroPrecision(Precision):
         if engine is None:
             return super().clip_grad_by_value(optimizer, clip_val)
         clip_grad_value(engine, clip_val)
-
-    # ---- checkpoints -----------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.working.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.working.load_state_dict(state_dict)
 
 
 def to_zero_precision(plugin: Optional[Precision]) -> Optional[ZeroPrecision]:

@@ -116,6 +116,30 @@ class WorkingPrecision:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
+class WorkingPrecisionPlugin:
+    """What the Trainer's and Fabric's precision plugins (ZeroPrecision, ZeroFabricPrecision) share: a
+    ``WorkingPrecision`` built from DeepSpeed's fp16 loss-scaling knobs, which converts the module and
+    the inputs and holds the loss scaler's state. Put before the Lightning base class."""
+
+    def __init__(self, precision: str = "32-true", loss_scale: float = 0.0, initial_scale_power: int = 16,
+                 loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0) -> None:
+        self.working = WorkingPrecision(precision, loss_scale, initial_scale_power, loss_scale_window, hysteresis,
+                                        min_loss_scale)
+        self.precision = precision
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return self.working.convert_module(module)
+
+    def convert_input(self, data: Any) -> Any:
+        return self.working.convert_input(data)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.working.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.working.load_state_dict(state_dict)
+
+
 def generic_precision_name(plugin: Any, strategy: str, how: str) -> str:
     """The precision of the generic plugin Lightning picks for ``precision=...`` (``Precision``,
     ``MixedPrecision``, ``HalfPrecision``), which a front end replaces by its own ZeRO plugin; an error
