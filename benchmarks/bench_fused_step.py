@@ -6,7 +6,8 @@ the 2-norm), one GPU, one process. Each step runs forward and backward (stage 2 
 gradients into the gradient shard during backward), then the two optimizer phases, each timed alone
 with CUDA events from an idle GPU, its host work (Python, launch tables, one host sync) included:
 
-- engine: ``opt.clip_grad_norm_(1.0); opt.step()`` with the fused kernels (see [Note: the fused mixed-precision step] in zero_strategy/engine/optim/step/grads.py): the norm kernel reads the bf16
+- engine: ``opt.clip_grad_norm_(1.0); opt.step()`` with the fused kernels (see [Note: the fused mixed-precision step]
+in zero_strategy/engine/optim/step/grads.py): the norm kernel reads the bf16
   gradients (2 bytes per parameter), the AdamW kernel reads them with the fp32 master and moments and
   writes those and the bf16 working weights (28): **30 bytes per parameter** (cuda/README.md).
 - torch: the same step as torch users write it, on copies of the same fp32 masters, moments and bf16

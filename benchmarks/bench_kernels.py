@@ -78,7 +78,8 @@ def quantize_bandwidth(numel: int, dtype: torch.dtype, bits: int, iters: int) ->
     """Quantize and dequantize-into-buffer of 8 rows (a world of 8's all-gather) through the kernels
     and through the torch reference: GB/s of bytes read + written, and the reference's time over the
     kernel's."""
-    from zero_strategy.engine.comm.quantize import QuantSpec, dequantize_into, packed_row_bytes, quantize_rows, reference_dequantize_rows, reference_quantize_rows
+    from zero_strategy.engine.comm.quantize import (QuantSpec, dequantize_into, packed_row_bytes, quantize_rows,
+                                                    reference_dequantize_rows, reference_quantize_rows)
 
     spec, rows = QuantSpec(bits, 256), 8
     x = torch.randn(rows, numel // rows, device="cuda").to(dtype)

@@ -240,7 +240,8 @@ def build_variant(name: str, args: argparse.Namespace, width: int) -> Variant:
     if name == "local":
         return Variant(name, model, model, inner)
     # glibc's mmap threshold is the process's: the engine sets it only in a process of its own, never
-    # under the variants sharing the timed run (see [Note: glibc's mmap threshold] in zero_strategy/engine/buffers/malloc.py)
+    # under the variants sharing the timed run (see [Note: glibc's mmap threshold] in
+    # zero_strategy/engine/buffers/malloc.py)
     malloc = {} if getattr(args, "engine_sets_malloc", False) else {"cpu_mmap_threshold_mb": None}
     if name in ("zero1", "zero2"):
         opt = ZeroOptimizer(inner, ZeroConfig(stage=int(name[-1]), bucket_cap_mb=args.bucket_cap_mb, **malloc))

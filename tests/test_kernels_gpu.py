@@ -197,7 +197,8 @@ def test_optimizer_step_with_bf16_grads_scale_and_lowp_out():
 @pytest.mark.parametrize("bits,block", [(8, 256), (8, 7), (4, 64), (4, 5)])
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 def test_quantize_kernels_match_the_reference(bits, block, dtype):
-    from zero_strategy.engine.comm.quantize import QuantSpec, dequantize_into, dequantize_sum, quantize_rows, reference_dequantize_rows, reference_quantize_rows
+    from zero_strategy.engine.comm.quantize import (QuantSpec, dequantize_into, dequantize_sum, quantize_rows,
+                                                    reference_dequantize_rows, reference_quantize_rows)
 
     spec = QuantSpec(bits, block)
     for rows, numel in [(1, 2), (3, 70), (8, 4098), (4, (1 << 18) + 2)]:

@@ -2,7 +2,8 @@
 
 Pure integers, no torch and no process group. Every layout of a grid of small parameter lists,
 world sizes, bucket sizes and alignments is checked against the invariants of [Note: segments]
-and [Note: pieces] in zero_strategy/engine/buffers/layout.py, and against brute-force references that work element by element.
+and [Note: pieces] in zero_strategy/engine/buffers/layout.py, and against brute-force references that work element by
+element.
 """
 
 from __future__ import annotations

@@ -124,7 +124,8 @@ def _commands(base: Path) -> Commands:
 
 
 LAUNCHES = "lightning_launches"
-EARLY[LAUNCHES] = (__name__, _commands)  # started at collection: see [Note: launches started early] in tests/cli_runs.py
+EARLY[LAUNCHES] = (__name__, _commands)  # started at collection: see [Note: launches started early] in
+                                         # tests/cli_runs.py
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from zero_strategy.engine.optim.lowp import Bf16State, Int8State, code_map, max_code_gap, random_bits16, round_to_bf16, step_stored
+from zero_strategy.engine.optim.lowp import (Bf16State, Int8State, code_map, max_code_gap, random_bits16, round_to_bf16,
+                                             step_stored)
 from zero_strategy.engine.optim.tiles import step_views
 
 

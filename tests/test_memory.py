@@ -196,7 +196,8 @@ def test_on_cpu_the_engine_makes_freed_blocks_leave_the_process(monkeypatch):
 
 @pytest.mark.parametrize("stage, overlap", [(1, False), (2, False), (2, True), (3, False), (3, True)])
 def test_a_dropped_model_and_engine_are_freed(stage, overlap):
-    """Nothing keeps a model and its engine alive once the user drops them (see [Note: hooks that hold the reducer weakly] in zero_strategy/engine/grads/reducer.py): a notebook or a sweep builds many."""
+    """Nothing keeps a model and its engine alive once the user drops them (see [Note: hooks that hold the
+    reducer weakly] in zero_strategy/engine/grads/reducer.py): a notebook or a sweep builds many."""
     torch.manual_seed(0)
     model = OddMLP()
     options = dict(offload_optimizer=True, offload_overlap=True) if overlap else {}

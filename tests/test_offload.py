@@ -49,7 +49,8 @@ def _run(rank, stage, options, accumulate=False, round_trip=False):
         opt.clip_grad_norm_(0.5)
         opt.step()
         sched.step()
-        if round_trip and step == 2:  # state out of the files and back in: see [Note: offloaded step] in zero_strategy/engine/optim/step/host.py
+        if round_trip and step == 2:  # state out of the files and back in: see [Note: offloaded step] in
+                                      # zero_strategy/engine/optim/step/host.py
             opt.load_state_dict(opt.state_dict())
     state = opt.state_dict()
     with gathered_parameters(model):

@@ -179,9 +179,12 @@ def test_a_rank_running_other_units_at_any_pass_stops_every_rank_before_the_step
 def _step_divergence_runs(rank, world_size, cases):
     """Each (stage, how, pass) case: at that pass (1-based) rank 1 runs one micro-batch more than
     the others before the step ("extra micro-batch"), skips the step ("skipped step") or enters
-    gathered_parameters alone; see [Note: collectives that differ] in zero_strategy/engine/diagnose/divergence.py (stages 2-3),
-    [Note: the step's tally] in zero_strategy/engine/diagnose/tally.py (stage 1, whose collectives are the same either way)
-    and [Note: gathers outside passes] in zero_strategy/engine/params/flat_parameters.py. -> (error or None, seconds from the
+    gathered_parameters alone; see [Note: collectives that differ] in zero_strategy/engine/diagnose/divergence.py
+    (stages 2-3),
+    [Note: the step's tally] in zero_strategy/engine/diagnose/tally.py (stage 1, whose collectives are the same either
+    way)
+    and [Note: gathers outside passes] in zero_strategy/engine/params/flat_parameters.py. -> (error or None, seconds
+    from the
     divergent pass to it, whether this rank's shards and optimizer state are those from before it)."""
     out = {}
     for stage, how, at_pass in cases:

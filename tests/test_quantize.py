@@ -11,7 +11,9 @@ from torch import nn
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import shard_module
 from zero_strategy.engine.comm.order_guard import FORWARD
-from zero_strategy.engine.comm.quantize import QuantSpec, code_bytes, dequantize_into, dequantize_rows, dequantize_sum, num_blocks, packed_row_bytes, quantize_rows, reference_dequantize_rows, reference_quantize_rows
+from zero_strategy.engine.comm.quantize import (QuantSpec, code_bytes, dequantize_into, dequantize_rows, dequantize_sum,
+                                                num_blocks, packed_row_bytes, quantize_rows, reference_dequantize_rows,
+                                                reference_quantize_rows)
 
 from .kernel_emulator import emulated_device, emulated_kernels  # noqa: F401,F811  (a fixture)
 

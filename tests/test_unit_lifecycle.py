@@ -2,7 +2,8 @@
 
 A unit held by ``gathered_parameters`` stays gathered across ``opt.step()`` and a checkpoint load;
 what it holds must then be the new weights, and the next forward must compute with them (only the
-unit frees its buffer: see [Note: one record of a unit's gather] in zero_strategy/engine/params/unit.py). Compared against a
+unit frees its buffer: see [Note: one record of a unit's gather] in zero_strategy/engine/params/unit.py). Compared
+against a
 plain single-process model trained on both ranks' batches.
 """
 

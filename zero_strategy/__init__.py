@@ -58,7 +58,8 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
     "any_rank_busy": "generation", "Join": "engine.join",  # ranks whose work differs: see the README
-    "UnitOrderError": "engine.diagnose.watchdog", "CollectiveError": "engine.diagnose.watchdog",  # ranks out of step, hung collectives
+    "UnitOrderError": "engine.diagnose.watchdog", "CollectiveError": "engine.diagnose.watchdog",  # ranks out of step,
+                                                                                                  # hung collectives
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
                "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "pretrained",

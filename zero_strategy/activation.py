@@ -122,7 +122,8 @@ def offload_activations_in_forward(module: nn.Module) -> None:
     ``training_step``, ``initialize``'s ``forward``): Fabric has none, and the setting was accepted
     there and never entered. So the engine's setup puts these hooks on the module itself. The
     pre-hook goes first and the post-hook (which runs even when the forward raised) is added after
-    the stage-3 sharder's: saved-tensor hooks are a stack, and the units' own (see [Note: saved weights] in engine/params/saved_weights.py) must be pushed inside ours and popped before. A front end's
+    the stage-3 sharder's: saved-tensor hooks are a stack, and the units' own (see [Note: saved weights] in
+    engine/params/saved_weights.py) must be pushed inside ours and popped before. A front end's
     wrapper around a larger region stays outside and takes what is saved beyond the forward (a loss).
     Applying again changes nothing; ``remove_activation_offload`` undoes it.
     """

@@ -13,7 +13,8 @@ every front end, see [Note: the order of setup] in frontend/setup.py) replaces `
 Hugging Face generation module inside a model sharded at stage 3 over more than one rank, on that
 instance only, by one that passes ``synced_gpus=True`` unless the caller passed ``synced_gpus``
 itself. peft's ``PeftModel.generate`` calls its base model's ``generate``, so it goes through the
-same instance. Each call also posts its start and end on the rank board (see [Note: the rank board] in engine/diagnose/rank_board.py), so that ``generate()`` on one rank only is an error that says so.
+same instance. Each call also posts its start and end on the rank board (see [Note: the rank board] in
+engine/diagnose/rank_board.py), so that ``generate()`` on one rank only is an error that says so.
 
 Decoding loops of one's own (not ``generate()``) stay in step the same way: loop while
 ``any_rank_busy(not done)``, running the step on a dummy input on ranks that are done.

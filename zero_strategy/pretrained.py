@@ -7,7 +7,8 @@ headers (strict by default: missing, unexpected and wrongly shaped keys are an e
 anything is read), then gives each parameter and buffer its values where they live:
 - on the meta device (built in ``configure_model`` at stage 3, or under
   ``fabric.init_module(empty_init=True)``): it records the file as the tensor's source, and setup
-  streams each rank's element ranges into its shards once they exist (see [Note: init-time sharding] in engine/params/materialize.py), so the model is never whole on a rank;
+  streams each rank's element ranges into its shards once they exist (see [Note: init-time sharding] in
+  engine/params/materialize.py), so the model is never whole on a rank;
 - on an engine already (after setup, any stage): into this rank's pieces of the flat groups and
   their master copies, each rank reading only its ranges at stage 3;
 - real and whole (stages 1 and 2 before setup, or a model built in ``__init__``): into the

@@ -95,7 +95,8 @@ class ZeroEngine(nn.Module):
         self._engine_backward_depth = 0  # > 0 while backward() runs: see [Note: one division per path]
         self._scaled_for_backward = False  # scale() made the loss of the coming direct backward
         self._warned_unreachable = False
-        if self.optimizer is not None:  # local_accumulation: see [Note: local accumulation] in engine/grads/accumulation.py
+        if self.optimizer is not None:  # local_accumulation: see [Note: local accumulation] in
+                                        # engine/grads/accumulation.py
             me = weakref.ref(self)  # the optimizer must not keep its engine alive
             self.optimizer.defer_reduction_when(lambda: not _at_boundary(me))
 

@@ -358,7 +358,8 @@ def read_zero_plus_plus(zero: Mapping, stage: int, findings: Findings) -> dict[s
     ``zero_quantized_weights`` is ``quantized_weights`` (int8, stage 3); ``zero_hpz_partition_size``
     above 1 is ``secondary_partition_size`` (stage 3; 1, DeepSpeed's default, is none);
     ``zero_quantized_gradients`` is ``quantized_gradients="int4"``, the width ZeRO++ sends gradients
-    in. MiCS's ``mics_shard_size`` is ``shard_group_size`` (hybrid sharding: see [Note: hybrid sharding] in engine/comm/topology.py). A stage-3 key at another stage is a problem in ``findings``, as
+    in. MiCS's ``mics_shard_size`` is ``shard_group_size`` (hybrid sharding: see [Note: hybrid sharding] in
+    engine/comm/topology.py). A stage-3 key at another stage is a problem in ``findings``, as
     DeepSpeed ignores it there.
     """
     kwargs: dict[str, Any] = {}

@@ -11,5 +11,5 @@ from .grads.scaler import LossScaler
 from .optim.optimizer import ELEMENTWISE_OPTIMIZERS, ZeroOptimizer, check_optimizer_supported
 from .params.flat_parameters import FlatParameters, shard_module
 
-__all__ = ["Collectives", "ELEMENTWISE_OPTIMIZERS", "FlatParameters", "LossScaler", "ZeroOptimizer", "check_optimizer_supported",
-           "shard_module"]
+__all__ = ["Collectives", "ELEMENTWISE_OPTIMIZERS", "FlatParameters", "LossScaler", "ZeroOptimizer",
+           "check_optimizer_supported", "shard_module"]

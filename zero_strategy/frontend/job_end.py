@@ -8,7 +8,8 @@ down) goes unnoticed. torchrun and srun see every process's status, but nothing 
 whose error ended the job. So, for a job of several ranks, each process of this package's front
 ends (``watch_the_job``, called once the process group exists):
 - on an exception that ends it (``sys.excepthook``), prints ``zero_strategy: rank R failed: ...``
-  and posts it on the process group's store, where waiting ranks read it (see [Note: the rank board] in engine/diagnose/rank_board.py: a rank waiting in a collective raises at once, naming it);
+  and posts it on the process group's store, where waiting ranks read it (see [Note: the rank board] in
+  engine/diagnose/rank_board.py: a rank waiting in a collective raises at once, naming it);
 - at its end (``atexit``), posts that it ended and waits for every other rank to end too. While it
   waits it stops, with exit status 1 and a message naming the rank and its error, when another rank
   posts a failure, when a child process of the launch exits non-zero without posting one, when the

@@ -56,7 +56,8 @@ FRONT_END_OPTIONS = (
 def engine_options() -> list[inspect.Parameter]:
     """ZeroConfig's fields that the front ends take, as parameters with their types and defaults."""
     hints = typing.get_type_hints(ZeroConfig)
-    return [_keyword(f.name, f.default, hints[f.name]) for f in dataclasses.fields(ZeroConfig) if f.metadata["argument"]]
+    fields = [f for f in dataclasses.fields(ZeroConfig) if f.metadata["argument"]]
+    return [_keyword(f.name, f.default, hints[f.name]) for f in fields]
 
 
 def takes_options(init: Callable[..., None]) -> Callable[..., None]:

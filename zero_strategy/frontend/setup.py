@@ -8,7 +8,8 @@ ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
    working weights, one buffer per dtype, and the fp32 masters are copied from them; converting
    after sharding would detach the parameters from their buffers.
 2. device: the flat buffers are allocated where the parameters are. Meta tensors stay on meta:
-   stage 3 materialises them unit by unit on the device (see [Note: init-time sharding] in engine/params/materialize.py).
+   stage 3 materialises them unit by unit on the device (see [Note: init-time sharding] in
+   engine/params/materialize.py).
 3. activation checkpointing: it replaces module instances' ``forward`` (see [Note: checkpointing
    by instance forward]); the sharder's hooks, registered next, then run around the checkpointed
    call, and the units it plans see the modules as they will run.

@@ -191,7 +191,8 @@ class FlatGroup:
 
     def write_back_piece(self, piece: Piece, start: int = 0, end: Optional[int] = None) -> None:
         """Round elements ``[start, end)`` of ``piece``'s master into the working weights without
-        waiting: a copy from pinned host memory runs while the host goes on (see [Note: stepping in tiles] in engine/optim/tiles.py); ``wait_for_copies`` before reading them."""
+        waiting: a copy from pinned host memory runs while the host goes on (see [Note: stepping in tiles] in
+        engine/optim/tiles.py); ``wait_for_copies`` before reading them."""
         if self.has_master_copy:
             assert self.master_shard is not None
             end = piece.numel if end is None else end
@@ -267,7 +268,8 @@ class ShardedGroup(FlatGroup):
         self.secondary: dict[int, torch.Tensor] = {}  # segment index -> part: see [Note: secondary partition]
         self.secondary_spec: Optional[QuantSpec] = None  # how the secondary parts are stored
         self.quantized = False  # the full buffer holds dequantized weights: see [Note: quantized gathers]
-        self.stale = False  # the shard changed since the gather: see [Note: one record of a unit's gather] in engine/params/unit.py
+        self.stale = False  # the shard changed since the gather: see [Note: one record of a unit's gather] in
+                            # engine/params/unit.py
         self._make_master(own, self.shard)
         self.release()
 
@@ -366,7 +368,8 @@ class ShardedGroup(FlatGroup):
 
     def shard_written(self) -> None:
         """The shard was written (a step, a load): a gathered copy, and the secondary parts cut from it,
-        no longer match. The unit gathers it again (see [Note: one record of a unit's gather] in engine/params/unit.py)."""
+        no longer match. The unit gathers it again (see [Note: one record of a unit's gather] in
+        engine/params/unit.py)."""
         self.stale = self.buffer is not None
         self.drop_secondary()
 

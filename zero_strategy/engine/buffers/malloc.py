@@ -16,7 +16,8 @@ which also stops its rising: blocks of 4 MiB and more that malloc takes from the
 on leave the process when freed, and its resident memory follows the bytes in use. (Free heap
 memory from before stays in the heap and serves later blocks.) Each such block takes fresh pages
 when it is allocated again, a cost that the engine's own large buffers avoid by being reused
-([Note: reused buffers] in engine/buffers/pool.py) and the optimizer's temporaries by staying small ([Note: the CPU step in tiles] in engine/optim/tiles.py); autograd's weight gradients pay it (benchmarks/RESULTS.md,
+([Note: reused buffers] in engine/buffers/pool.py) and the optimizer's temporaries by staying small ([Note: the CPU
+step in tiles] in engine/optim/tiles.py); autograd's weight gradients pay it (benchmarks/RESULTS.md,
 "glibc's mmap threshold and the CPU step in tiles"). The setting is the process's (``mallopt``):
 it applies to all of its allocations from then on and stays for good; ``None`` sets nothing.
 Where the process was started with a threshold of its own (``MALLOC_MMAP_THRESHOLD_``, or

@@ -17,7 +17,8 @@ from a ``BufferPool``:
   step needed at its peak anyway; a gather outside a pass (``gathered_parameters`` of a whole
   model) keeps nothing past that bound once released;
 - a buffer is handed out again only when nothing else holds a view of it (its storage's use
-  count). A view kept past its release (one autograd saved outside the hooks of [Note: saved weights] in engine/params/saved_weights.py, or one the user kept) keeps reading the values it was gathered
+  count). A view kept past its release (one autograd saved outside the hooks of [Note: saved weights] in
+  engine/params/saved_weights.py, or one the user kept) keeps reading the values it was gathered
   with, and the next ``take`` allocates another buffer; so reuse can never show one unit's weights
   through another's view.
 

@@ -68,7 +68,8 @@ class Header:
     """One gather's header: ``words`` to send, and ``check``, called with every rank's words (an
     int32 tensor (n, 4), by rank) once an all-gather carrying them completed; ``waiting(seconds)``,
     called while a wait for the gather lasts (see ``Watchdog.wait``); ``defer``, where set, called
-    instead of sending the words where they would need a collective of their own (see [Note: headers left out on gloo] in engine/comm/order_guard.py)."""
+    instead of sending the words where they would need a collective of their own (see [Note: headers left out on gloo]
+    in engine/comm/order_guard.py)."""
 
     __slots__ = ("words", "check", "waiting", "defer", "_left_out")
 

@@ -104,7 +104,8 @@ class GradientReducer:
             host_empty(g.layout.shard_numel, dt, g.device).zero_() for g, dt in zip(self.groups, host_dtypes)
         ] if host_dtypes is not None else [None] * len(self.groups)
         self.order = launch_order(self.groups, position)
-        self._pool = BufferPool()  # staging and receive buffers, reused: see [Note: reused buffers] in engine/buffers/pool.py
+        self._pool = BufferPool()  # staging and receive buffers, reused: see [Note: reused buffers] in
+                                   # engine/buffers/pool.py
         self._rounding: Optional[torch.Generator] = None  # for quantized_gradients: see _reduce_scatter
         if any(g.reduce_quantization is not None for g in self.groups):
             self._rounding = torch.Generator(self.groups[0].device)

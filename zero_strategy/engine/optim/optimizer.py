@@ -5,7 +5,8 @@ Each rank updates only the pieces it owns (see [Note: pieces]). When the working
 fp32 (or fp64), the owned pieces *are* the master weights: the inner optimizer updates the rank's
 slice of the flat parameter buffer in place and one all-gather per segment brings every rank's
 slices back to everyone, so no second fp32 copy exists. bf16/fp16 parameters get an fp32 copy
-of the owned shard instead (see [Note: master copies] in engine/buffers/flat.py). The user's optimizer object is kept: its
+of the owned shard instead (see [Note: master copies] in engine/buffers/flat.py). The user's optimizer object is kept:
+its
 ``param_groups`` list is shared with this one, so LR schedulers built on it and Lightning's LR
 monitor see and change the hyperparameters that the inner optimizer uses at every step.
 
@@ -76,7 +77,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups  # shared: see [Note: master weights]
         self.scaler = scaler
         self._step = StepGradients()  # see [Note: state behind LightningOptimizer] in engine/optim/step/grads.py
-        self.steps_begun = 0  # reduce_gradients calls that reduced (see [Note: the step's tally] in engine/diagnose/tally.py)
+        self.steps_begun = 0  # reduce_gradients calls that reduced (see [Note: the step's tally] in
+                              # engine/diagnose/tally.py)
         self.step_backend: StepBackend = build_step_backend(backend, self._stepped, config, weakref.proxy(self))
         weakref.finalize(self, self.step_backend.close)
         self.reducer = make_reducer(self.groups, config.stage, self.comm, sharder.position,

@@ -134,7 +134,8 @@ class FlatParameters:
                  device: Optional[torch.device] = None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         self.module = module if isinstance(module, nn.Module) else None
         self.config = config
-        self.world_comm = comm  # every rank; self.comm is the shard group: see [Note: hybrid sharding] in engine/comm/topology.py
+        self.world_comm = comm  # every rank; self.comm is the shard group: see [Note: hybrid sharding] in
+                                # engine/comm/topology.py
         # see [Note: collectives that differ] in engine/diagnose/divergence.py (subgroups made from now on take it too)
         comm.mismatch_wait_s = config.unit_order_wait if config.check_unit_order else math.inf
         self.hybrid = hybrid_groups(comm, config.shard_group_size)
@@ -148,8 +149,10 @@ class FlatParameters:
             raise ValueError(f"{what} has no trainable parameter (every requires_grad is False), so there is nothing "
                              "to train; unfreeze some parameters (requires_grad_(True)).")
         if (device or params[0].device).type == "cpu":  # before sharding frees the whole parameters
-            set_mmap_threshold(config.cpu_mmap_threshold_mb)  # see [Note: glibc's mmap threshold] in engine/buffers/malloc.py
-        self.pool = BufferPool()  # the full buffers of gathered units: see [Note: reused buffers] in engine/buffers/pool.py
+            set_mmap_threshold(config.cpu_mmap_threshold_mb)  # see [Note: glibc's mmap threshold] in
+                                                              # engine/buffers/malloc.py
+        self.pool = BufferPool()  # the full buffers of gathered units: see [Note: reused buffers] in
+                                  # engine/buffers/pool.py
         self.saved_weights = SavedWeights(self.pool)  # see [Note: saved weights] in engine/params/saved_weights.py
         self._owners: dict[nn.Parameter, list[nn.Module]] = {}
         for mod in (self.module.modules() if self.module is not None else ()):
@@ -184,7 +187,8 @@ class FlatParameters:
         self._nesting: dict[tuple[int, int], bool] = {}  # see _nested
         self._root_held_for_step = False
         self._in_pass = False  # between _begin_pass and _end_pass
-        self._backward_ended = False  # in this pass: a step follows, which checks the gathers (engine/comm/order_guard.py)
+        self._backward_ended = False  # in this pass: a step follows, which checks the gathers
+                                      # (engine/comm/order_guard.py)
         for unit in self.all_units:
             unit.schedule = self
         self.weight_quantization = config.weight_quantization  # see [Note: quantized gathers] in engine/buffers/flat.py
@@ -325,7 +329,8 @@ class FlatParameters:
 
     def shards_written(self, groups: Iterable[FlatGroup]) -> None:
         """``groups``' shards were written by a step (a collective point): their gathered copies are
-        stale, and the units holding them gather again now, exactly (see [Note: one record of a unit's gather] in engine/params/unit.py)."""
+        stale, and the units holding them gather again now, exactly (see [Note: one record of a unit's gather] in
+        engine/params/unit.py)."""
         written = {id(g) for g in groups}
         for g in self.groups:
             if id(g) in written:

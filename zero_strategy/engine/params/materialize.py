@@ -8,7 +8,8 @@ come from one of three places, in this order of precedence:
 1. a *source* set by ``load_pretrained`` or ``from_pretrained`` (a pretrained file): after sharding,
    each rank reads the element ranges of its own pieces (see [Note: reading pretrained slices] in
    checkpoint/pretrained_files.py), never the whole tensor at stage 3;
-2. its *recorded construction* (a model built inside the context, see [Note: recorded construction] in engine/params/deferred_init.py): after sharding the construction is replayed, one tensor at a
+2. its *recorded construction* (a model built inside the context, see [Note: recorded construction] in
+engine/params/deferred_init.py): after sharding the construction is replayed, one tensor at a
    time, and each rank keeps its pieces, so the model equals an eager build with the same seed;
 3. else its module's own ``reset_parameters()``, run when the unit is materialised (the way for
    modules built on meta outside a recording).

@@ -5,7 +5,8 @@ The update of a rank's pieces runs in one of seven ways, one class each, in a fi
 chosen once when the ZeroOptimizer is built (``choose_step_backend`` in choice.py):
 
 - ``TorchStep`` (torch_step.py): the inner optimizer's own step on the pieces' device;
-- ``CpuTilesStep`` (cpu_tiles.py): the same on CPU, tile by tile (see [Note: the CPU step in tiles] in engine/optim/tiles.py);
+- ``CpuTilesStep`` (cpu_tiles.py): the same on CPU, tile by tile (see [Note: the CPU step in tiles] in
+engine/optim/tiles.py);
 - ``FusedStep`` (fused.py): where the CUDA kernels run, the update fused with the unscaling,
   the clipping and the write-back (see [Note: the fused mixed-precision step] in engine/optim/step/grads.py);
   what the kernels do not take over steps as one of the two above;
@@ -48,7 +49,8 @@ def master_dtypes(groups: Sequence[FlatGroup]) -> list[torch.dtype]:
 
 @dataclass(frozen=True)
 class PieceRef:
-    """One piece a ZeroOptimizer steps (see [Note: pieces] in engine/buffers/layout.py), as ``Stepped.pieces`` lists them."""
+    """One piece a ZeroOptimizer steps (see [Note: pieces] in engine/buffers/layout.py), as ``Stepped.pieces``
+    lists them."""
 
     group_index: int  # into ZeroOptimizer.groups
     group: FlatGroup
@@ -113,7 +115,8 @@ class Stepped:
         return lambda gi, pi: (self.user_group[gi][pi], settings[self.user_group[gi][pi]])
 
     def write_back(self) -> None:
-        """Round every group's masters into its working weights (see [Note: master copies] in engine/buffers/flat.py)."""
+        """Round every group's masters into its working weights (see [Note: master copies] in
+        engine/buffers/flat.py)."""
         for g in self.groups:
             g.write_back()
 
@@ -125,7 +128,8 @@ class StepBackend:
     on_host = False
     """The pieces, their gradients and the optimizer state are host tensors (optimizer offload)."""
     defers_gradients = False
-    """The reduced gradients stay as reduced, with one factor owed (see [Note: the fused mixed-precision step] in engine/optim/step/grads.py)."""
+    """The reduced gradients stay as reduced, with one factor owed (see [Note: the fused mixed-precision step]
+    in engine/optim/step/grads.py)."""
     own_settings: tuple[str, ...] = ()
     """Keys of the inner optimizer's param groups the backend sets, not the user (the host kernel choice)."""
 

@@ -88,7 +88,8 @@ class StepGradients:
         grads = self.grads
         if not grads:
             bad = torch.zeros(1, dtype=torch.uint8, device=device)
-        elif kernels.available(grads[0]):  # one fused pass on CUDA: see [Note: kernels in the step] in engine/optim/step/fused.py
+        elif kernels.available(grads[0]):  # one fused pass on CUDA: see [Note: kernels in the step] in
+                                           # engine/optim/step/fused.py
             bad = kernels.grad_norm_and_overflow(grads)[1].to(torch.uint8).reshape(1)
         else:
             norms = torch._foreach_norm(grads, dtype=torch.float32)  # fp32: an fp16 norm overflows by itself

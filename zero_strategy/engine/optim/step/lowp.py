@@ -23,7 +23,8 @@ Figures: benchmarks/RESULTS.md, "Low-precision step time".
 
 Exactness across world sizes and stages: an int8 block holds parameter elements [i * block, (i + 1)
 * block), and the flat layout starts every parameter and ends every shard at a multiple of the
-block (``ZeroConfig.layout_block``; the layout, not this file, pads: see [Note: blocks that survive a reshard] in engine/optim/lowp.py), so each block lies whole in one piece and one tile, and its scale
+block (``ZeroConfig.layout_block``; the layout, not this file, pads: see [Note: blocks that survive a reshard] in
+engine/optim/lowp.py), so each block lies whole in one piece and one tile, and its scale
 is the same in any layout. Stochastic rounding hashes (seed, step, parameter, element position in
 the parameter): the parameter is its index in the user's optimizer, the step is the param group's
 ``lowp_step`` (a counter this backend keeps in the user's param groups, so it is saved and
