@@ -35,7 +35,7 @@ BATCHES = (5, 3)  # rank 0 has 5 batches, rank 1 has 3
 BOARD_LETS_GO = """
 import socket
 import torch.distributed as dist
-from zero_strategy.engine import rank_board
+from zero_strategy.engine.diagnose import rank_board
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

@@ -135,7 +135,7 @@ class Watchdog:
         for rank, text in sorted(posted.items()):
             scope, _, message = text.partition("|")
             if scope == self.scope:
-                raise UnitOrderError(f"rank {self.rank} waited for the {what()}, which will not complete: rank {rank} "
+                raise UnitOrderError(f"rank {self.rank}: waited for the {what()}, which will not complete: rank {rank} "
                                      f"found the ranks out of step:\n{message}")
 
     def _failed(self, what: Callable[[], str], err: Exception, waited: float) -> str:

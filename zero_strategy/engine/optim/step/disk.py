@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ....config import ZeroConfig
+from ...buffers.host import HOST
 from ..state import is_elementwise
 from ..tiles import PieceKey, Settings, TilePart, copy_scalar, plan_tiles, step_views
 from .backend import Stepped
