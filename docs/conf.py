@@ -55,7 +55,7 @@ myst_enable_extensions = ["deflist"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
-autodoc_preserve_defaults = True
+autodoc_preserve_defaults = False  # True reads defaults from the source, which a signature made from the fields has not
 
 # ---- html -----------------------------------------------------------------------------------------
 html_theme = "alabaster"

@@ -14,6 +14,7 @@ no docstring can break the build with markup it did not mean.
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 from typing import Any
@@ -139,9 +140,10 @@ class OptionsDirective(SphinxDirective):
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        from zero_strategy import ZeroConfig
+        from zero_strategy import ZeroConfig, ZeroFabricStrategy, ZeroStrategy
 
         self.env.note_dependency(str(_package_dir() / "config.py"))
+        takes = {cls.__name__: set(inspect.signature(cls).parameters) for cls in (ZeroStrategy, ZeroFabricStrategy)}
         by_title = first_label_by_title(_notes())
         found = options(ZeroConfig)
         table = nodes.table(classes=["zero-options"])
@@ -162,8 +164,18 @@ class OptionsDirective(SphinxDirective):
                               nodes.entry("", nodes.paragraph("", "", nodes.literal(text=option.type))),
                               nodes.entry("", nodes.paragraph("", "", nodes.literal(text=option.default))))
             section = _section(self.state.document, nodes.literal(text=option.name), label)
-            section += nodes.paragraph("", "", nodes.Text("Type "), nodes.literal(text=option.type),
-                                       nodes.Text(", default "), nodes.literal(text=option.default), nodes.Text("."))
+            facts = [nodes.Text("Type "), nodes.literal(text=option.type),
+                     nodes.Text(", default "), nodes.literal(text=option.default), nodes.Text(".")]
+            if option.deepspeed:
+                facts.append(nodes.Text(" DeepSpeed config: "))
+                for i, key in enumerate(option.deepspeed):
+                    facts += [nodes.Text(", " if i else ""), nodes.literal(text=key)]
+                facts.append(nodes.Text("."))
+            not_taken = [name for name, parameters in takes.items() if option.name not in parameters]
+            if not_taken:
+                facts.append(nodes.Text(f" Not an argument of {' or '.join(not_taken)}: set from elsewhere "
+                                        "(see the description)."))
+            section += nodes.paragraph("", "", *facts)
             if option.doc:
                 section += block_nodes(option.doc, by_title, self.env.docname)
             else:

@@ -21,6 +21,7 @@ class Option:
     type: str
     default: str  # as Python writes it; "(required)" when the field has no default
     doc: Optional[str]
+    deepspeed: tuple[str, ...] = ()  # the DeepSpeed config keys, where the field's metadata names them
 
 
 def attribute_docstrings(cls: type) -> dict[str, str]:
@@ -61,6 +62,8 @@ def options(cls: type) -> list[Option]:
             if from_source is None:
                 from_source = attribute_docstrings(cls)
             doc = from_source.get(field.name)
+        keys = field.metadata.get("deepspeed") or ()
         result.append(Option(field.name, _type_name(field.type), _default(field),
-                             inspect.cleandoc(doc) if doc else None))
+                             inspect.cleandoc(doc) if doc else None,
+                             (keys,) if isinstance(keys, str) else tuple(keys)))
     return result
