@@ -76,6 +76,7 @@ def run_pages(spec_path: str, results_path: str) -> None:
     import os
 
     spec = json.loads(Path(spec_path).read_text())
+    results_file = Path(results_path).resolve()  # the pages change the working directory
     results: dict[str, dict] = {}
     for page in spec["pages"]:
         os.chdir(page["dir"])
@@ -93,7 +94,7 @@ def run_pages(spec_path: str, results_path: str) -> None:
         results[page["page"]] = {"error": error, "seconds": round(time.perf_counter() - start, 2)}
         print(f"doc_blocks: {page['page']}: {'failed' if error else 'ok'} in {results[page['page']]['seconds']} s",
               flush=True)
-        Path(results_path).write_text(json.dumps(results))  # after every page: a crash keeps what ran
+        results_file.write_text(json.dumps(results))  # after every page: a crash keeps what ran
 
 
 if __name__ == "__main__":
