@@ -57,7 +57,7 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "load_pretrained": "pretrained", "sharded_init": "pretrained",
     "ZeroStrategy": "strategy",
     "ZeroFabricPrecision": "fabric", "ZeroFabricStrategy": "fabric",
-    "any_rank_busy": "generation", "Join": "engine.join",  # ranks whose work differs: see the README
+    "any_rank_busy": "generation", "Join": "engine.join",  # ranks whose work differs: see docs/ranks.md
     "UnitOrderError": "engine.diagnose.watchdog", "CollectiveError": "engine.diagnose.watchdog",  # ranks out of step,
                                                                                                   # hung collectives
 }
