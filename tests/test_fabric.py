@@ -113,7 +113,7 @@ def whole(fabric, model) -> dict[str, torch.Tensor]:
     from zero_strategy.fabric import ZeroFabricStrategy
 
     if isinstance(fabric.strategy, ZeroFabricStrategy):
-        state = fabric.strategy.full_state_dict(model.module)
+        state = fabric.strategy.full_state_dict(model)  # what fabric.setup returned
     else:
         state = model.state_dict()
     return {k: v.detach().float().cpu().clone() for k, v in state.items()}
@@ -259,7 +259,7 @@ def _built_on_meta(rank: int, world_size: int) -> dict:
         model, optimizer = fabric.setup(model, optimizer)
     finally:
         materialize._allocate = allocate
-    held = fabric.strategy.memory_stats(model.module)["params"]
+    held = fabric.strategy.memory_stats(model)["params"]
     initial = whole(fabric, model)
     zero_run = train(fabric, model, [optimizer], rank, steps=4)
     zero_run["params"] = whole(fabric, model)

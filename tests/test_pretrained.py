@@ -278,8 +278,8 @@ def _front_ends(rank, world_size, path):
         fabric = L.Fabric(strategy=ZeroFabricStrategy(stage=stage, param_persistence_threshold=0), accelerator="cpu",
                           devices=world_size)
         fabric.launch()
-        with fabric.init_module(empty_init=True):
-            model = cls.from_pretrained(path)
+        with fabric.init_module(empty_init=True):  # the Auto class, as most fine-tuning scripts write it
+            model = transformers.AutoModelForCausalLM.from_pretrained(path)
         model.train()
         on_meta = all(p.is_meta for p in model.parameters())
         model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))

@@ -173,7 +173,19 @@ def test_a_model_with_nothing_to_train_is_refused_at_setup():
             _trainer(strategy=ZeroStrategy(stage=stage)).fit(model)
 
 
+class _BuiltInConfigureModel(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        del self.layer  # built in configure_model, on meta at stage 3
+
+    def configure_model(self) -> None:
+        self.layer = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 2))
+
+
 def test_shard_modules_that_match_nothing_list_the_model_classes():
-    with pytest.raises(ValueError, match=r"shard_modules=\['NoSuchBlock'\] matches no module of _TwoLinears.*"
-                                         r"Linear \(2\)"):
-        _trainer(strategy=ZeroStrategy(stage=3, shard_modules=["NoSuchBlock"])).fit(_TwoLinears())
+    # a model built in configure_model is still on meta when the error comes: the teardown that follows
+    # must not bury it under "Cannot copy out of meta tensor"
+    for model in (_TwoLinears(), _BuiltInConfigureModel()):
+        with pytest.raises(ValueError, match=rf"shard_modules=\['NoSuchBlock'\] matches no module of "
+                                             rf"{type(model).__name__}.*Linear \(2\)"):
+            _trainer(strategy=ZeroStrategy(stage=3, shard_modules=["NoSuchBlock"])).fit(model)

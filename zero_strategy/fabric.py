@@ -266,7 +266,9 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         return engine
 
     def _engine_of(self, module: nn.Module, call: str) -> EngineModel:
-        engine = next((e for e in self._engines if e.module is module), None)
+        """The engine of ``module``: what ``fabric.setup`` returned (the wrapper) or the module inside it."""
+        candidates = [module, getattr(module, "_forward_module", None), getattr(module, "_original_module", None)]
+        engine = next((e for e in self._engines if any(e.module is m for m in candidates)), None)
         if engine is None:
             raise TypeError(f"{call}: the {type(module).__name__} was not set up by this strategy; pass the model that "
                             "fabric.setup(...) returned.")
@@ -315,7 +317,6 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         """Write ``module`` (set up by this strategy) in the Hugging Face layout from rank 0, one tensor
         gathered at a time; options as ``zero_strategy.frontend.pretrained.save_pretrained``. A
         collective: call ``fabric.strategy.save_pretrained(model, dir)`` on every rank."""
-        module = getattr(module, "_original_module", None) or module  # what fabric.setup returned, unwrapped
         return save_pretrained(self._engine_of(module, "save_pretrained(model, dir)"), save_directory, **options)
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

@@ -183,11 +183,20 @@ _IGNORED = ("cache_dir", "force_download", "local_files_only", "token", "revisio
             "output_loading_info", "subfolder", "variant", "proxies")
 
 
+def _asks_for_something(key: str, value: Any) -> bool:
+    """Whether a refused loading argument was given a value that asks for what the strategy cannot do. The
+    Auto classes pass ``adapter_kwargs`` on every call, holding only the hub's options (revision, token)
+    unless the directory is a PEFT adapter's (``_adapter_model_path``)."""
+    if key == "adapter_kwargs" and isinstance(value, dict):
+        return "_adapter_model_path" in value
+    return value not in (None, {}, [], (), False)
+
+
 def _from_pretrained_sharded(cls: type, pretrained_model_name_or_path: PathLike, *model_args: Any,
                              config: Any = None, **kwargs: Any) -> nn.Module:
     """``cls.from_pretrained`` inside ``sharded_init``: the model built from its config (recorded on meta),
     its files attached as the sources of its tensors (see [Note: pretrained weights into shards])."""
-    refused = [k for k in kwargs if k in _REFUSED]
+    refused = [k for k in _REFUSED if _asks_for_something(k, kwargs.pop(k, None))]
     if refused or model_args:
         raise ValueError(f"{cls.__name__}.from_pretrained({refused or list(model_args)}) inside the ZeRO stage-3 init "
                          f"context (configure_model, fabric.init_module(empty_init=True)): the strategy places and "

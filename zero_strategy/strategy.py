@@ -415,7 +415,15 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         for opt in self.optimizers:
             if isinstance(opt, ZeroOptimizer):
                 opt.remove_hooks()
-        super().teardown()  # at stage 3 the model stays sharded, ready for test or predict
+        module = self.lightning_module
+        on_meta = module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+        if on_meta:  # set-up failed before stage 3 built the weights: nothing to move, and moving would raise,
+            self._lightning_module = None  # burying set-up's error under "Cannot copy out of meta tensor"
+        try:
+            super().teardown()  # at stage 3 the model stays sharded, ready for test or predict
+        finally:
+            if on_meta:
+                self._lightning_module = module
         if saver is not None:
             saver.close()  # the end of training waits for the last save, and raises what it failed with
 
