@@ -5,7 +5,7 @@ Three measurements, side by side in one run (one process, no process group), pri
 1. The host optimizer step on one rank's shard (``--params-millions``, 100M by default, cut into
    the tensors of a GPT-2-small-shaped model: 8 blocks plus the token and position embeddings,
    the pieces a ZeroOptimizer would step): torch's Adam with ``fused=True`` (what the engine
-   picks for offload, see zero_strategy/engine/offload.py), with ``foreach=True``, and the plain
+   picks for offload, see zero_strategy/engine/optim/step/host.py), with ``foreach=True``, and the plain
    for-loop (``foreach=False``), on the same tensors and gradients. Goal of issue 7: fused at
    least 3x faster than the for-loop.
 2. A whole ``ZeroOptimizer.step()`` with the optimizer offloaded to host memory, against the same

@@ -11,7 +11,7 @@
 //                                               the number of code midpoints below value / scale;
 //                                               bf16: stochastic rounding, see below
 //   p     = encode(p)                           bf16 masters: stochastic rounding
-// The encodings are those of zero_strategy/engine/lowp.py ([Note: int8 state], [Note: stochastic
+// The encodings are those of zero_strategy/engine/optim/lowp.py ([Note: int8 state], [Note: stochastic
 // rounding]): the code map and its midpoints come from the host (the same fp32 values), and the random
 // bits of stochastic rounding are splitmix64(seed, step, key, position), so a position rounds the same
 // way in this kernel and in torch, at any world size.
@@ -23,7 +23,7 @@
 
 // Roles of the tensor-list table (see [Note: tensor-list table] in cuda/zs_common.cuhhh). KEY and START are
 // not addresses: the parameter's stochastic-rounding key and the position of the tensor's first
-// element in its parameter (engine/lowp.py's random_bits16).
+// element in its parameter (engine/optim/lowp.py's random_bits16).
 enum { LP_PARAM, LP_GRAD, LP_EXP_AVG, LP_EXP_AVG_SQ, LP_AVG_SCALE, LP_AVG_SQ_SCALE, LP_KEY, LP_START, LP_ROLES };
 enum { LP_STEP_SIZE, LP_BC2_SQRT, LP_SCALARS };
 
@@ -34,7 +34,7 @@ __device__ __forceinline__ float lerp_like_torch(float start, float end, float w
   return fabsf(weight) < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
 }
 
-// splitmix64 of (seed, step, key, position): 16 random bits, as random_bits16 in engine/lowp.py.
+// splitmix64 of (seed, step, key, position): 16 random bits, as random_bits16 in engine/optim/lowp.py.
 __device__ __forceinline__ unsigned random_bits16(unsigned long long base, unsigned long long position) {
   unsigned long long z = position * 0x9E3779B97F4A7C15ull + base;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -79,7 +79,7 @@ __device__ __forceinline__ unsigned char encode_code(float normal, const float* 
 
 // S: the moments' storage (q8_t or bf16_t). P: the master's (float or bf16_t). G: the gradient's.
 // code_maps: the signed then the unsigned map (256 floats each); midpoints: theirs (255 each).
-// base: the stochastic-rounding base of this step (seed and step mixed, see engine/lowp.py).
+// base: the stochastic-rounding base of this step (seed and step mixed, see engine/optim/lowp.py).
 template <typename G, typename S, typename P>
 __global__ void __launch_bounds__(QBLOCK) adam_lowp_step(
     const i64* table, int n, float grad_scale, const float* grad_scale_ptr, const float* code_maps,

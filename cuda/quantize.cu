@@ -1,7 +1,7 @@
 // Block-wise int8/int4 quantization of packed rows, for communication (quantized_weights,
 // quantized_gradients).
 //
-// Reference (must match): zero_strategy/engine/quantize.py (reference_quantize_rows,
+// Reference (must match): zero_strategy/engine/comm/quantize.py (reference_quantize_rows,
 // reference_dequantize_rows, reference_dequantize_sum), where [Note: packed rows] defines a row:
 //   [ codes: ceil(L * BITS / 8) bytes, zero-padded to a multiple of 4 | scales: nblocks x fp32 ]
 // for a row of L elements cut into blocks of `block` elements. scale = absmax / qmax (qmax 127 or 7),

@@ -1,7 +1,7 @@
 """torch.compile of a ZeRO-trained model at every stage, 2 gloo processes: the same losses as eager.
 
 Stage 3's unit hooks run eagerly (graph breaks at every unit's gather and release: see [Note:
-compiled modules] in zero_strategy/engine/parameters.py); each unit's own forward is compiled.
+compiled modules] in zero_strategy/engine/params/flat_parameters.py); each unit's own forward is compiled.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     the optimizer's state per parameter (default Adam's: 8 bytes, 4 when training in true half);
     SGD with momentum has 4.
 
-    Offload (as the engine does it, see zero_strategy/engine/offload.py): ``offload_optimizer``
+    Offload (as the engine does it, see zero_strategy/engine/buffers/host.py): ``offload_optimizer``
     moves the master weights, the optimizer state and the gradient shard the step reads to the
     host; the master is then a copy even for fp32 (or true-half) weights, and the host gradient is
     in the master's dtype. Stage 1 keeps its full device gradient for autograd besides. Between

@@ -233,7 +233,7 @@ def grad_norm_and_overflow(tensors: Sequence[torch.Tensor], norm_type: float = 2
 
 
 # ---- block quantization for communication -----------------------------------------------------
-# The format (packed rows) and the torch reference are zero_strategy/engine/quantize.py's; these run
+# The format (packed rows) and the torch reference are zero_strategy/engine/comm/quantize.py's; these run
 # cuda/quantize.cu when the kernels take the tensors, and return False (having done nothing) when
 # they do not, so the caller runs the reference.
 
@@ -242,7 +242,7 @@ def _row_bytes(what: str, numel: int, bits: int, block: int, codes_len: int) -> 
     The kernels write and read exactly there, so a layout that does not fit fails here, not past a buffer."""
     if codes_len < -(-numel * bits // 8):
         raise ValueError(f"{what}: {codes_len} code bytes cannot hold {numel} codes of {bits} bits; pass "
-                         "code_bytes(numel, spec) (zero_strategy/engine/quantize.py).")
+                         "code_bytes(numel, spec) (zero_strategy/engine/comm/quantize.py).")
     return codes_len + 4 * -(-numel // block)
 
 
@@ -272,7 +272,7 @@ def quantize_rows(x: torch.Tensor, bits: int, block: int, out: torch.Tensor, cod
     shape = (rows, _row_bytes("quantize_rows", numel, bits, block, codes_len))
     if out.dim() != 2 or tuple(out.shape) != shape:  # the kernels write every byte of that shape
         raise ValueError(f"quantize_rows: out must be uint8 of shape {shape} for x of shape {tuple(x.shape)}; got "
-                         f"{tuple(out.shape)}. Allocate it with packed_row_bytes (zero_strategy/engine/quantize.py).")
+                         f"{tuple(out.shape)}. Allocate it with packed_row_bytes (zero_strategy/engine/comm/quantize.py).")
     np = _np()
     row_bytes, device = out.shape[1], x.device
     launch("quantize", f"quant_scales<{name}>", device, rows * nblocks, THREADS, (
