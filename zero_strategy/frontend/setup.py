@@ -49,6 +49,7 @@ from ..activation import apply_activation_checkpointing, offload_activations_in_
 from ..checkpoint.background import BackgroundSaver
 from ..config import ZeroConfig
 from ..engine import Collectives, FlatParameters, ZeroOptimizer, shard_module
+from ..engine.params.edits import seal
 from ..engine.params.materialize import fill_deferred, materialize_buffers, materialize_whole
 from ..generation import sync_generation
 from .engine_model import EngineModel
@@ -95,6 +96,7 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
     a Trainer's fit and test); its groups take the parameters back instead of sharding again.
     """
     config = engine_config(config, precision)
+    seal(module)  # what the script did to a model built on meta ends here: see [Note: changes before setup]
     precision.convert_module(module)  # 1
     move_module(module, device)  # 2
     if config.activation_checkpointing:  # 3
@@ -112,12 +114,13 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
         if config.stage == 3:
             materialize_buffers(module, device)
         else:  # a model built inside the init context: whole, as stages 1-2 hold it
-            materialize_whole(module, device, _rank0_rng(comm, device))
+            materialize_whole(module, device, _rank0_rng(comm, device), _on_any_rank(comm, device))
         sync_module(module, comm, config.stage)
         if config.stage == 3 or built:
             model.sharder = shard_module(module, config, comm, device, built)
         if config.stage == 3:  # pretrained or recorded values into the shards: see [Note: init-time sharding]
-            fill_deferred(module, model.sharder.groups, _rank0_rng(comm, device), device)
+            fill_deferred(module, model.sharder.groups, _rank0_rng(comm, device), device, _on_any_rank(comm, device))
+            comm.begin_step()  # its collectives are set-up's, not the first step's
             guard_hf_save_pretrained(model)  # transformers' own save_pretrained would write the empty shards
     sync_generation(module, config.stage, comm)
     if config.offload_activations:  # 6
@@ -132,6 +135,15 @@ def _rank0_rng(comm: Collectives, device: torch.device) -> Callable[[torch.Tenso
         comm.broadcast(on_device, src=0, what=lambda: "broadcast of rank 0's random state for the model's replay")
         state.copy_(on_device.cpu())
     return broadcast
+
+
+def _on_any_rank(comm: Collectives, device: torch.device) -> Callable[[bool], bool]:
+    """Whether a flag is set on some rank (a collective)."""
+    def any_rank(flag: bool) -> bool:
+        count = torch.tensor([int(flag)], device=device)
+        comm.all_reduce(count, what=lambda: "all-reduce of whether the ranks recorded the model alike")
+        return bool(count.item())
+    return any_rank
 
 
 def add_optimizers(model: EngineModel, optimizers: Sequence[torch.optim.Optimizer],

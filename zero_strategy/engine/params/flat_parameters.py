@@ -80,6 +80,7 @@ from ..comm.collectives import Collectives
 from ..comm.order_guard import (BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE,
                                 OrderGuard)
 from ..comm.topology import hybrid_groups
+from .edits import seal
 from .materialize import is_deferred, materialize_meta
 from .plan import UnitPlan, plan_units
 from .saved_weights import SavedWeights
@@ -133,6 +134,8 @@ class FlatParameters:
     def __init__(self, module: Union[nn.Module, Iterable[nn.Parameter]], config: ZeroConfig, comm: Collectives,
                  device: Optional[torch.device] = None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         self.module = module if isinstance(module, nn.Module) else None
+        if self.module is not None:  # a plain loop's model built on meta: see [Note: changes before setup] in
+            seal(self.module)        # engine/params/edits.py
         self.config = config
         self.world_comm = comm  # every rank; self.comm is the shard group: see [Note: hybrid sharding] in
                                 # engine/comm/topology.py

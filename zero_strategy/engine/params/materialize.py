@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+import zlib
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
@@ -30,7 +31,9 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..buffers.flat import FlatGroup
-from .deferred_init import Recording, Ref, _recorded_params, forget, recorded_buffer, recorded_param
+from . import edits
+from .edits import changed_since_source
+from .recording import Recording, Ref, _recorded_params, forget, recorded_buffer, recorded_param
 
 Reader = Callable[[int, int], torch.Tensor]  # elements [start, end) of the flattened value, any dtype
 
@@ -47,10 +50,21 @@ _buffer_sources: "weakref.WeakKeyDictionary[nn.Module, dict[str, Source]]" = wea
 
 def set_param_source(p: nn.Parameter, source: Source) -> None:
     _param_sources[p] = source
+    _mark_source(recorded_param(p), id(p), p)
 
 
 def set_buffer_source(module: nn.Module, name: str, source: Source) -> None:
     _buffer_sources.setdefault(module, {})[name] = source
+    _mark_source(recorded_buffer(module, name), (id(module), name), module._buffers[name])
+
+
+def _mark_source(entry: Optional[tuple[Recording, Ref]], key: object, t: torch.Tensor) -> None:
+    """A recorded tensor's values now come from a file: a change recorded after this would be lost
+    (``fill_deferred`` refuses it: see [Note: changes before setup] in engine/params/edits.py). Inside
+    the construction (``from_pretrained``) its Recording is the one being recorded."""
+    rec = entry[0] if entry is not None else (edits.constructions[-1].recording if edits.constructions else None)
+    if rec is not None and t.is_meta:
+        rec.sourced[key] = (len(rec.calls), t.untyped_storage()._cdata)
 
 
 def is_deferred(p: nn.Parameter) -> bool:
@@ -166,11 +180,11 @@ def _whole(value: torch.Tensor) -> Reader:
 
 
 def fill_deferred(module: nn.Module, groups: Sequence[FlatGroup], broadcast_rng: Callable[[torch.Tensor], None],
-                  device: torch.device) -> None:
+                  device: torch.device, any_rank: Callable[[bool], bool] = bool) -> None:
     """Write the values of ``module``'s deferred parameters and buffers (sources, then recordings: see
-    [Note: init-time sharding]) into ``groups`` and the buffers. ``broadcast_rng`` makes a random
-    state rank 0's (in place): every rank replays from it. Every rank must call it (a collective when
-    there is a recording to replay)."""
+    [Note: init-time sharding]) into ``groups`` and the buffers. ``broadcast_rng`` makes a tensor
+    rank 0's (in place): every rank replays from rank 0's random state; ``any_rank(flag)`` is whether
+    the flag is set on some rank. A collective: every rank must call it."""
     places = group_places(groups)
     params = list(dict.fromkeys(module.parameters()))
     buffers = [(m, name) for m in module.modules() for name in m._buffers if m._buffers[name] is not None]
@@ -197,6 +211,8 @@ def fill_deferred(module: nn.Module, groups: Sequence[FlatGroup], broadcast_rng:
         elif entry is not None:
             wanted(entry, ("buffer", m, name))
 
+    _check_agreed(module, [rec for rec, _, _ in recordings.values()], broadcast_rng, any_rank)
+
     def sink(key: tuple, value: torch.Tensor) -> None:
         if key[0] == "param":
             write_parameter(key[1], _whole(value), places.get(key[1]))
@@ -213,6 +229,10 @@ def fill_deferred(module: nn.Module, groups: Sequence[FlatGroup], broadcast_rng:
         state = rec.rng_state.clone()
         broadcast_rng(state)
         rec.rng_state = state
+        if rec.post_rng is not None:  # the changes after the construction: see [Note: changes before setup]
+            state = rec.post_rng[1].clone()
+            broadcast_rng(state)
+            rec.post_rng = (rec.post_rng[0], state)
         rec.replay(table, sink, only_needed=partial)
     for p in params:
         source = _param_sources.pop(p, None)
@@ -227,7 +247,36 @@ def fill_deferred(module: nn.Module, groups: Sequence[FlatGroup], broadcast_rng:
         forget(module=m, name=name)
 
 
-def materialize_whole(module: nn.Module, device: torch.device, broadcast_rng: Callable[[torch.Tensor], None]) -> None:
+def _check_agreed(module: nn.Module, recordings: Sequence[Recording], broadcast_rng: Callable[[torch.Tensor], None],
+                  any_rank: Callable[[bool], bool]) -> None:
+    """Every rank recorded the same calls (each replays its own record), and no recorded change came
+    after a file was attached as the changed tensor's source (the file's values would win): see [Note:
+    changes before setup] in engine/params/edits.py."""
+    mine = torch.tensor([len(recordings), zlib.crc32(str([rec.digest() for rec in recordings]).encode())])
+    rank0 = mine.clone()
+    broadcast_rng(rank0)
+    if any_rank(not torch.equal(mine, rank0)):
+        raise ValueError(f"the ranks built or changed {type(module).__name__} differently before setup (its recorded "
+                         f"calls differ from rank 0's{'' if torch.equal(mine, rank0) else ' on this rank'}): every "
+                         "rank replays its own record of the model's construction and of the changes made to it "
+                         "before setup, so build and initialise the model the same way on every rank (no "
+                         "`if rank == 0:` around its initialisation; rank 0's random state is used everywhere).")
+    changed = [name for name, p in module.named_parameters(remove_duplicate=False) if p in _param_sources and
+               recorded_param(p) is not None and changed_since_source(recorded_param(p)[0], id(p),
+                                                                      recorded_param(p)[1].root)]
+    changed += [f"{path}.{name}" if path else name for path, m in module.named_modules() for name in
+                _buffer_sources.get(m, {}) if recorded_buffer(m, name) is not None and changed_since_source(
+                    recorded_buffer(m, name)[0], (id(m), name), recorded_buffer(m, name)[1].root)]
+    if changed:
+        raise ValueError(f"{changed[:5]} were changed, or used to compute other tensors, before setup after weights "
+                         "were loaded into them from a file (load_pretrained, fabric.load_raw, from_pretrained): the "
+                         "replay has the file's values only at the end, so the change would be lost. "
+                         "Change them after setup (inside zero_strategy.gathered_parameters(model, modifier_rank=0)), "
+                         "or load after changing them.")
+
+
+def materialize_whole(module: nn.Module, device: torch.device, broadcast_rng: Callable[[torch.Tensor], None],
+                      any_rank: Callable[[bool], bool] = bool) -> None:
     """Stages 1-2, where every rank holds the whole model anyway: a model built inside the init context
     (recorded, or with pretrained sources) gets its tensors on ``device`` and their values, read once
     into them (no second copy). Meta tensors with neither are left for ``sync_module`` to refuse."""
@@ -239,5 +288,5 @@ def materialize_whole(module: nn.Module, device: torch.device, broadcast_rng: Ca
         return
     for m in deferred:
         _allocate(m, device)
-    fill_deferred(module, [], broadcast_rng, device)
+    fill_deferred(module, [], broadcast_rng, device, any_rank)
 
