@@ -64,7 +64,7 @@ from .engine import Collectives, ZeroOptimizer
 from .names import register_names
 from .engine.grads.accumulation import deferred_reduction, defers
 from .frontend import (EngineModel, add_optimizers, clip_grad_norm, clip_grad_value,
-                       load_full_model, move_module, setup_engine)
+                       load_full_model, move_module, read_state_dict_file, setup_engine)
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
 from .frontend.options import ProcessLayout, barrier, broadcast_object, read_options, takes_options
 from .frontend.precision import WorkingPrecisionPlugin, generic_precision_name
@@ -374,7 +374,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         if not path.is_file():
             return load_named_state(path, {"model": module}, self._engines, "fabric.load_raw", strict,
                                     self.options.verify_checkpoints, weights_only)
-        state_dict = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+        state_dict = read_state_dict_file(path, weights_only)  # memory-mapped: each rank reads its slices
         self.load_module_state_dict(module, state_dict, strict)
         return {}
 

@@ -27,7 +27,7 @@ call ``setup_engine`` where its API receives the model (and optimizers), call th
 
 from .checkpoint import (check_safe_to_load, deepspeed_client_state, deepspeed_optimizer_state, load_full_model,
                          load_full_optimizers, load_sharded_model, load_sharded_optimizers, open_sharded,
-                         read_deepspeed, read_file, save_sharded_model)
+                         read_deepspeed, read_file, read_state_dict_file, save_sharded_model)
 from .precision import STATE_KEY, SUPPORTED_PRECISION, WorkingPrecision
 from .setup import EngineModel, add_optimizers, clip_grad_norm, clip_grad_value, move_module, setup_engine, sync_module
 
@@ -35,4 +35,4 @@ __all__ = ["EngineModel", "STATE_KEY", "SUPPORTED_PRECISION", "WorkingPrecision"
            "check_safe_to_load", "clip_grad_norm", "clip_grad_value", "deepspeed_client_state",
            "deepspeed_optimizer_state", "load_full_model", "load_full_optimizers", "load_sharded_model",
            "load_sharded_optimizers", "move_module", "open_sharded", "read_deepspeed", "read_file",
-           "save_sharded_model", "setup_engine", "sync_module"]
+           "read_state_dict_file", "save_sharded_model", "setup_engine", "sync_module"]

@@ -22,6 +22,7 @@ A load that fails on one rank fails on every rank (``on_every_rank``), so none w
 from __future__ import annotations
 
 import io
+import zipfile
 from typing import Any, Optional, Sequence
 
 import torch
@@ -95,6 +96,15 @@ def read_deepspeed(path: Any, comm: Collectives) -> dict[str, Any]:
     return read[0]
 
 
+def read_state_dict_file(path: Any, weights_only: Optional[bool] = None) -> Any:
+    """A file of a state dict (``torch.save(model.state_dict(), path)``), its tensors memory-mapped when
+    torch's zip format allows (every ``torch.save`` since torch 1.6): loading it into a stage-3 model
+    then reads only this rank's slices of the file (see [Note: loading a full state dict] in
+    engine/params/whole_state.py), never the whole model."""
+    safe = True if weights_only is None else weights_only
+    return torch.load(path, map_location="cpu", weights_only=safe, mmap=zipfile.is_zipfile(path))
+
+
 def read_file(path: Any, comm: Collectives, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """A regular checkpoint file, on every rank; never unpickling arbitrary objects unless
     ``weights_only=False`` is passed for a file you trust."""
@@ -126,8 +136,8 @@ def load_full_model(model: EngineModel, state_dict: dict[str, Any], strict: bool
     """Whole tensors into the engine, at any stage: stage 3 keeps its slices of each gathered unit (a
     collective); stages 1-2 load the module, then refresh the masters from the loaded weights. Then the
     masters take the state dict's values where they are more precise than the working weights."""
-    if model.sharder is not None and model.stage == 3:
-        model.sharder.load_full_state_dict(state_dict, strict=strict)
+    if model.sharder is not None and model.stage == 3:  # each rank its slices: no collective, hence on_every_rank
+        on_every_rank(model.comm, lambda: model.sharder.load_full_state_dict(state_dict, strict=strict))
     else:
         on_every_rank(model.comm, lambda: model.module.load_state_dict(state_dict, strict=strict))
         for g in model.groups:

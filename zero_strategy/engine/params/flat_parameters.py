@@ -85,6 +85,7 @@ from .materialize import is_deferred, materialize_meta
 from .plan import UnitPlan, plan_units
 from .saved_weights import SavedWeights
 from .unit import Unit, UnitState, in_backward
+from .whole_state import load_full_state_dict, take_over_loading
 
 
 def split_groups(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
@@ -212,6 +213,9 @@ class FlatParameters:
         for g in self.groups:
             for p in g.params:
                 p._zero_sharder = self  # read by owner_of(), at every stage
+        if self.module is not None:  # module.load_state_dict of whole tensors: see
+            # [Note: loading a full state dict] in engine/params/whole_state.py
+            self._handles += take_over_loading(self.module, self.groups)
         comm.begin_step()  # the first step's bytes start here: set-up broadcasts are not a step's
 
     def comm_stats(self) -> dict[str, int]:
@@ -492,41 +496,9 @@ class FlatParameters:
         return {key: out[key] for key in entries}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load whole tensors into the shards (each rank keeps its slices). A collective."""
-        entries, names = self._names()
-        missing = [k for k in entries if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in entries]
-        if strict and (missing or unexpected):
-            raise KeyError(f"the checkpoint does not match the model: missing keys {missing[:10]}, unexpected keys "
-                           f"{unexpected[:10]}; pass strict=False to load what matches.")
-
-        def load(key: str, target: torch.Tensor) -> None:
-            value = state_dict[key]
-            if value.shape != target.shape:
-                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, the model's has "
-                                 f"{tuple(target.shape)}: the checkpoint is for a different model.")
-            target.copy_(value)
-
-        def load_params(group: FlatGroup) -> None:
-            for p in group.params:
-                key = next((k for k in names.get(p, ()) if k in state_dict), None)
-                if key is not None:
-                    load(key, p.data)
-
-        self.meet_outside("loading a full state dict")
-        with torch.no_grad():
-            for unit in self.all_units:
-                self.gather(unit)
-                for g in unit.groups:
-                    load_params(g)
-                    g.commit_gathered()
-                unit.release()
-            for g in self.resident:
-                load_params(g)
-                g.masters_from_weights()
-            for key, value in entries.items():
-                if not isinstance(value, nn.Parameter) and key in state_dict:
-                    load(key, value)
+        """Load whole tensors into the shards (each rank keeps its slices; no collective): see [Note:
+        loading a full state dict] in engine/params/whole_state.py."""
+        load_full_state_dict(self.module, self.groups, state_dict, strict)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
