@@ -28,9 +28,13 @@ checkpoint written here resumes under the Trainer and the other way round.
   replayed unit by unit in setup, each rank keeping its shards (the same values as an eager build:
   see [Note: recorded construction] in engine/params/deferred_init.py), and ``from_pretrained`` inside it
   streams its files into the shards (see [Note: pretrained weights into shards] in pretrained.py);
-  at stages 1-2 the initialisation is skipped, for a checkpoint to be loaded next.
+  at stages 1-2 the initialisation is skipped, for a checkpoint to be loaded next. What the script
+  does to the model before ``fabric.setup`` (its own initialisation) is recorded and replayed too,
+  or refused (see [Note: changes before setup] in engine/params/edits.py).
   ``fabric.load_raw(path, model)`` of safetensors weights (a file, or a Hugging Face directory)
-  reads each rank's slices the same way.
+  reads each rank's slices the same way; of a ``torch.save`` file, memory-mapped, as does
+  ``model.load_state_dict`` of whole tensors (see [Note: loading a full state dict] in
+  engine/params/whole_state.py).
 - refused, with the call and what to do instead: a ``CheckpointIO`` plugin (checkpoints are written
   by the strategy), ``fabric.save(..., filter=...)`` of a sharded checkpoint, a checkpoint of two
   models, and a DeepSpeed config's loop settings (accumulation, clipping, optimizer, schedule).

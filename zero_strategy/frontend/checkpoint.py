@@ -13,7 +13,8 @@ something to it. Loading reads three forms, each into any world size and stage:
   each rank reads only the ranges it owns;
 - a whole state dict, from a regular file (DDP's, a consolidated one) or a DeepSpeed checkpoint
   directory (``read_file`` / ``read_deepspeed``, then ``load_full_model`` / ``load_full_optimizers``):
-  stage 3 keeps its slices of each gathered unit;
+  stage 3 keeps its slices of each tensor, nothing gathered (see [Note: loading a full state dict] in
+  engine/params/whole_state.py);
 - either way the fp32 masters of bf16/fp16 weights are restored from the most precise values the
   checkpoint holds (its masters, or fp32 weights), never from the rounded working weights.
 A load that fails on one rank fails on every rank (``on_every_rank``), so none waits in a collective.
@@ -133,10 +134,11 @@ def load_sharded_optimizers(model: EngineModel, reader: CheckpointReader, saved:
 
 @torch.no_grad()
 def load_full_model(model: EngineModel, state_dict: dict[str, Any], strict: bool = True) -> None:
-    """Whole tensors into the engine, at any stage: stage 3 keeps its slices of each gathered unit (a
-    collective); stages 1-2 load the module, then refresh the masters from the loaded weights. Then the
-    masters take the state dict's values where they are more precise than the working weights."""
-    if model.sharder is not None and model.stage == 3:  # each rank its slices: no collective, hence on_every_rank
+    """Whole tensors into the engine, at any stage: stage 3 keeps its slices of each tensor; stages 1-2
+    load the module, then refresh the masters from the loaded weights. Then the masters take the state
+    dict's values where they are more precise than the working weights. A load that fails on one rank
+    fails on every rank."""
+    if model.sharder is not None and model.stage == 3:
         on_every_rank(model.comm, lambda: model.sharder.load_full_state_dict(state_dict, strict=strict))
     else:
         on_every_rank(model.comm, lambda: model.module.load_state_dict(state_dict, strict=strict))

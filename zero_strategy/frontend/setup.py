@@ -4,6 +4,8 @@
 ``setup_engine`` applies the engine's features to a module in this order, for the Trainer's
 ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
 
+0. ``seal``: the record of what the script did to a model built on meta ends (see [Note: changes
+   before setup] in engine/params/edits.py), so that what setup does to it is not taken for the script's.
 1. working dtype (``WorkingPrecision.convert_module``): the flat buffers of step 5 hold the
    working weights, one buffer per dtype, and the fp32 masters are copied from them; converting
    after sharding would detach the parameters from their buffers.

@@ -9,8 +9,9 @@ come from one of three places, in this order of precedence:
    each rank reads the element ranges of its own pieces (see [Note: reading pretrained slices] in
    checkpoint/pretrained_files.py), never the whole tensor at stage 3;
 2. its *recorded construction* (a model built inside the context, see [Note: recorded construction] in
-engine/params/deferred_init.py): after sharding the construction is replayed, one tensor at a
-   time, and each rank keeps its pieces, so the model equals an eager build with the same seed;
+engine/params/deferred_init.py), and the changes the script made to it before setup (see [Note:
+   changes before setup] in engine/params/edits.py): after sharding they are replayed, one tensor at
+   a time, and each rank keeps its pieces, so the model equals an eager build with the same seed;
 3. else its module's own ``reset_parameters()``, run when the unit is materialised (the way for
    modules built on meta outside a recording).
 For 1 and 2 materialisation only allocates (nothing is drawn or initialised then), and
