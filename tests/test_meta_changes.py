@@ -134,6 +134,13 @@ def test_what_cannot_be_replayed_is_refused_naming_the_tensor(tmp_path):
             model.head.weight.zero_()
     assert "head.weight was changed in place by a call the record did not see" in _refusal(unseen)
 
+    def added_then_moved_to_meta(model):  # what peft's get_peft_model does after the context
+        model.head.lora_b = nn.Linear(4, 4, bias=False)
+        nn.init.zeros_(model.head.lora_b.weight)
+        model.head.lora_b.to("meta")  # its values are gone: reset_parameters would give other ones
+    message = _refusal(added_then_moved_to_meta)
+    assert "['head.lora_b.weight'] are on the meta device but were made outside the model's record" in message
+
     save_file({k: v.contiguous() for k, v in Tiny().state_dict().items()}, str(tmp_path / "w.safetensors"))
 
     def loaded_then_changed(model):

@@ -18,8 +18,9 @@ random numbers: the state an eager script under DDP draws from, since there
 DDP, bit for bit, whatever the construction drew. What cannot be replayed so is refused at setup,
 before anything is materialised, naming the tensor and what to do:
 - a parameter or buffer changed in place by a call the record did not see (its version counter
-  moved: a view taken during the construction and written after), or replaced by a meta tensor made
-  outside the record;
+  moved: a view taken during the construction and written after), or a meta one made outside the
+  record (``peft.get_peft_model`` after the context: it builds its layers real, then moves them to
+  the base layer's meta device, their values lost);
 - random numbers drawn on real tensors, or a seed set, between two changes that draw: the replay
   cannot draw them in between;
 - a ``reset_parameters`` set on a module after its construction and not called (FSDP calls such
@@ -207,6 +208,7 @@ def seal(module: nn.Module) -> None:
         if entry is None and t.is_meta:  # nn.Parameter(a tensor a recorded change made), or made outside
             unrecorded.append((key, m, name, t, is_param))
     problems: list[str] = []
+    outside: list[str] = []
     for key, m, name, t, is_param in _named_tensors(module):
         entry = _recorded_params.get(t) if is_param else _recorded_buffers.get(m, {}).get(name)
         if entry is None or id(entry[0]) not in open_:
@@ -233,6 +235,13 @@ def seal(module: nn.Module) -> None:
         rec = next((r for r in open_.values() if t.untyped_storage()._cdata in r.nbytes), None)
         if rec is not None:
             _point(rec, m, name, t, is_param)
+        elif open_:  # (a model built on meta outside any record is initialised by reset_parameters instead)
+            outside.append(key)
+    if outside:
+        problems.append(f"{outside[:5]} are on the meta device but were made outside the model's record (a layer "
+                        "added after the model was built and moved to meta, as peft's get_peft_model does), so "
+                        "their values are unknown; add them inside the init context (fabric.init_module("
+                        "empty_init=True), configure_model), or give them real values")
     for rec in open_.values():
         rec.sealed = True
         rec.release()
