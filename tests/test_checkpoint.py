@@ -289,8 +289,11 @@ def test_trainer_state_is_never_unpickled_unsafely(saved_checkpoint):
     data = (saved_checkpoint / store.TRAINER_STATE).read_bytes()
     index["trainer_state"] = {"bytes": len(data), "checksum": store.checksum(data)}
     (saved_checkpoint / store.INDEX).write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"trainer_state\.pt cannot be loaded safely"):
+    with pytest.raises(CheckpointError, match=r"(?s)trainer_state\.pt cannot be loaded safely.*weights_only=False"):
         CheckpointReader(saved_checkpoint).trainer_state()
+    # a checkpoint you trust (a network in the hyper-parameters), as trainer.fit(..., weights_only=False) passes it
+    assert CheckpointReader(saved_checkpoint).trainer_state(weights_only=False)["hyper_parameters"] == {
+        "path": Path("/tmp")}
 
 
 def test_stale_partial_directories_are_replaced(saved_checkpoint):

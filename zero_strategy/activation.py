@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from .engine.params.attached import attach_attribute, attach_hook, detach_attribute, detach_hook
 from .engine.params.plan import ModuleTarget as Target
 from .engine.params.plan import module_matches, target_name
 
@@ -139,15 +140,17 @@ def offload_activations_in_forward(module: nn.Module) -> None:
         if entered:
             entered.pop().__exit__(None, None, None)
 
-    module.__dict__[_OFFLOAD_HANDLES] = (
-        module.register_forward_pre_hook(torch._dynamo.disable(enter), prepend=True),
-        module.register_forward_hook(torch._dynamo.disable(leave), always_call=True))
+    # attached, so that copies of the module leave them out (see [Note: a module's copies hold what the
+    # user sees] in engine/params/attached.py)
+    attach_attribute(module, _OFFLOAD_HANDLES, (
+        attach_hook(module, module.register_forward_pre_hook(torch._dynamo.disable(enter), prepend=True)),
+        attach_hook(module, module.register_forward_hook(torch._dynamo.disable(leave), always_call=True))))
 
 
 def remove_activation_offload(module: nn.Module) -> None:
     """Undo ``offload_activations_in_forward``."""
-    for handle in module.__dict__.pop(_OFFLOAD_HANDLES, ()):
-        handle.remove()
+    for handle in detach_attribute(module, _OFFLOAD_HANDLES) or ():
+        detach_hook(module, handle)
 
 
 # ---- measuring what is saved ------------------------------------------------------------------

@@ -35,6 +35,7 @@ from torch import nn
 from .engine.diagnose import rank_board
 from .engine.comm.collectives import Collectives
 from .engine.diagnose.watchdog import CollectiveError
+from .engine.params.attached import attach_attribute
 
 __all__ = ["any_rank_busy", "sync_generation"]
 
@@ -54,7 +55,8 @@ def sync_generation(module: nn.Module, stage: int, comm: Collectives) -> int:
         current = sub.__dict__.get("generate")
         if isinstance(sub, mixin) and not getattr(current, "_zero_synced", False):
             # a method of this instance only (Fabric's mark_forward_method wants a method): the class stays as it is
-            sub.generate = types.MethodType(_synced(sub.generate, comm), sub)
+            # and not in its copies (see [Note: a module's copies hold what the user sees] in engine/params/attached.py)
+            attach_attribute(sub, "generate", types.MethodType(_synced(sub.generate, comm), sub))
             changed += 1
     return changed
 

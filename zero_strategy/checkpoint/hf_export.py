@@ -37,6 +37,7 @@ from torch import nn
 
 from ..engine.comm.collectives import Collectives
 from ..engine.buffers.flat import FlatGroup
+from ..engine.params.attached import attach_attribute
 from . import hf_layout as layout
 from .format import DTYPES
 from .hf_plan import Entry, ExportPlan, is_peft_model, is_pretrained_model, make_plan, plain_plan
@@ -393,4 +394,5 @@ def guard_save_pretrained(module: nn.Module, export: Callable[..., Exported]) ->
                                 f"max_shard_size only; {sorted(unsupported) or list(args)} are not supported here.")
             return export(save_directory, prefix=_prefix, max_shard_size=max_shard_size, adapter_only=_peft)
 
-        sub.save_pretrained = save_pretrained  # on this instance only: the class is the user's
+        # on this instance only (the class is the user's), and not in its copies: engine/params/attached.py
+        attach_attribute(sub, "save_pretrained", save_pretrained)

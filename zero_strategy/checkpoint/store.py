@@ -318,16 +318,23 @@ class CheckpointReader:
                                   f"{_DAMAGED}")
         return data
 
-    def trainer_state(self) -> dict[str, Any]:
-        """Lightning's state, unpickled with ``weights_only=True`` (tensors, containers, numbers only)."""
+    def trainer_state(self, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Lightning's state, unpickled with ``weights_only=True`` (tensors, containers, numbers only)
+        unless ``weights_only=False`` is passed for a checkpoint you trust (one whose hyper-parameters hold
+        a module, say), as ``torch.load`` and Lightning's own loading take it."""
         data = self._trainer_state_bytes()
+        safe = True if weights_only is None else weights_only
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=safe)
         except Exception as err:  # torch raises UnpicklingError, RuntimeError or EOFError here
+            if not safe:
+                raise CheckpointError(f"{self.path / TRAINER_STATE} cannot be unpickled: {err}") from err
             raise CheckpointError(
                 f"{self.path / TRAINER_STATE} cannot be loaded safely (torch.load with weights_only=True): {err}. If "
-                "it holds objects of your own classes (in hyper-parameters or callback state) and you trust the "
-                "checkpoint, allow them with torch.serialization.add_safe_globals([...]).") from err
+                "it holds objects of your own classes (in hyper-parameters, such as a network passed to __init__, or "
+                "in callback state) and you trust the checkpoint, pass weights_only=False (trainer.fit(..., "
+                "ckpt_path=..., weights_only=False), fabric.load(..., weights_only=False)), or allow the classes with "
+                "torch.serialization.add_safe_globals([...]).") from err
 
     def close(self) -> None:
         """Unmap the rank files (they reopen on the next read). safetensors reads them through a memory

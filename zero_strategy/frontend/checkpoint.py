@@ -22,16 +22,20 @@ A load that fails on one rank fails on every rank (``on_every_rank``), so none w
 
 from __future__ import annotations
 
+import contextlib
 import io
 import zipfile
+from collections.abc import Iterator, Mapping
 from typing import Any, Optional, Sequence
 
 import torch
+from torch import nn
 
 from ..checkpoint import (CheckpointError, CheckpointReader, align_optimizer_state, load_model, load_optimizers,
                           read_deepspeed_checkpoint, save_sharded)
 from ..checkpoint.sharded import masters_from_state_dict, on_every_rank, parameter_names
 from ..engine import Collectives
+from ..engine.params.flat_parameters import gathered_parameters, owners_of
 from .precision import STATE_KEY
 from .setup import EngineModel
 
@@ -63,22 +67,54 @@ def save_sharded_model(path: Any, state: dict[str, Any], model: EngineModel) -> 
     sharded checkpoint directory, atomically. A collective. With ``async_save`` it returns once the
     tensors are copied out, and the files are written in the background (see [Note: saving in the
     background] in checkpoint/background.py)."""
-    save_sharded(path, state, model.module, model.optimizers, model.sharder, model.comm, model.stage,
-                 background=model.saver)
+    with whole_modules_in(state, model):
+        save_sharded(path, state, model.module, model.optimizers, model.sharder, model.comm, model.stage,
+                     background=model.saver)
+
+
+@contextlib.contextmanager
+def whole_modules_in(state: Any, model: EngineModel) -> Iterator[None]:
+    """Stage 3: the modules of ``model`` that ``state`` holds (a network in Lightning's hyper-parameters)
+    gathered while ``state`` is pickled, so that the pickle holds their whole weights (see [Note: a
+    module's copies hold what the user sees] in engine/params/attached.py). A collective: every rank's
+    ``state`` holds the same modules (the same code built it)."""
+    found = [m for m in _modules_in(state, set()) if owners_of(m)] if model.stage == 3 else []
+    if not found:
+        yield
+        return
+    with gathered_parameters([p for m in found for p in m.parameters()]):
+        yield
+
+
+def _modules_in(value: Any, seen: set[int]) -> Iterator[nn.Module]:
+    """The modules in ``value``'s dicts, lists and tuples (not inside a module, nor tensors)."""
+    if id(value) in seen or isinstance(value, torch.Tensor):
+        return
+    seen.add(id(value))
+    if isinstance(value, nn.Module):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _modules_in(item, seen)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _modules_in(item, seen)
 
 
 # ---- open ----------------------------------------------------------------------------------
 
 
-def open_sharded(path: Any, comm: Collectives, verify: bool = True) -> tuple[CheckpointReader, dict, dict]:
+def open_sharded(path: Any, comm: Collectives, verify: bool = True,
+                 weights_only: Optional[bool] = None) -> tuple[CheckpointReader, dict, dict]:
     """A sharded checkpoint directory: its reader, the front end's state (``trainer_state.pt`` without
-    the engine's record) and that record. Raises on every rank, naming what is wrong, for anything
-    else (a missing or damaged file, a partial save, another package's directory)."""
+    the engine's record, unpickled safely unless ``weights_only=False``) and that record. Raises on
+    every rank, naming what is wrong, for anything else (a missing or damaged file, a partial save,
+    another package's directory)."""
     opened: dict[str, Any] = {}
 
     def open_() -> None:
         reader = CheckpointReader(path, verify=verify)
-        opened.update(reader=reader, state=reader.trainer_state())
+        opened.update(reader=reader, state=reader.trainer_state(weights_only))
 
     on_every_rank(comm, open_)
     state = opened["state"]

@@ -149,7 +149,7 @@ def load_named_state(path: Path, state: dict[str, Any], engines: Sequence[Engine
     named = split_state(state, engines, call)
     model = named.model
     if is_sharded_checkpoint(path):
-        rest = _load_sharded(path, named, call, strict, verify)
+        rest = _load_sharded(path, named, call, strict, verify, weights_only)
     elif is_deepspeed_checkpoint(path):
         checkpoint = fit_to_module(read_deepspeed(path, model.comm), list(model.module.state_dict(keep_vars=True)))
         load_full_model(model, checkpoint["state_dict"], strict)
@@ -177,9 +177,10 @@ def load_named_state(path: Path, state: dict[str, Any], engines: Sequence[Engine
     return rest
 
 
-def _load_sharded(path: Path, named: NamedState, call: str, strict: bool, verify: bool) -> dict[str, Any]:
+def _load_sharded(path: Path, named: NamedState, call: str, strict: bool, verify: bool,
+                  weights_only: Optional[bool]) -> dict[str, Any]:
     model = named.model
-    reader, rest, saved = open_sharded(path, model.comm, verify)
+    reader, rest, saved = open_sharded(path, model.comm, verify, weights_only)
     names = rest.pop(NAMES_KEY, None)
     precision = rest.pop(STATE_KEY, {})
     load_sharded_model(model, reader, saved, strict)

@@ -71,6 +71,8 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...config import ZeroConfig
 from ..buffers.flat import FlatGroup, ResidentGroup, ShardedGroup
@@ -80,12 +82,18 @@ from ..comm.collectives import Collectives
 from ..comm.order_guard import (BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE,
                                 OrderGuard)
 from ..comm.topology import hybrid_groups
+from .attached import attach_check, attach_hook, detach_check, detach_hook
 from .edits import seal
 from .materialize import is_deferred, materialize_meta
 from .plan import UnitPlan, plan_units
 from .saved_weights import SavedWeights
 from .unit import Unit, UnitState, in_backward
 from .whole_state import load_full_state_dict, take_over_loading
+
+
+_OWNERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+"""Each parameter's FlatParameters (see ``owner_of``): kept here, not on the parameter, which then
+pickles and copies as the user's (see [Note: a module's copies hold what the user sees])."""
 
 
 def split_groups(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
@@ -200,22 +208,28 @@ class FlatParameters:
         self.secondary = comm.within_node(size, "secondary_partition_size") if size is not None else None
         if config.gradient_quantization is not None:
             comm.hierarchy  # its process groups, now, at the same point on every rank
-        self._handles = []
+        self._handles: list[tuple[nn.Module, RemovableHandle]] = []  # attached: see engine/params/attached.py
+        self._checked: list[nn.Module] = []  # modules a copy of which must find their parameters whole
         if config.stage == 3:
             assert self.module is not None
             for unit in self.units:
                 for mod in unit.modules:
-                    self._handles.append(mod.register_forward_pre_hook(_eager(unit.pre_forward)))
-                    self._handles.append(mod.register_forward_hook(_eager(unit.post_forward),
-                                                                   always_call=True))  # pops the saved-tensor hooks
-            self._handles.append(self.module.register_forward_pre_hook(_eager(self._pre_forward_root)))
-            self._handles.append(self.module.register_forward_hook(_eager(self._post_forward_root), always_call=True))
+                    self._hook(mod, mod.register_forward_pre_hook(_eager(unit.pre_forward)))
+                    self._hook(mod, mod.register_forward_hook(_eager(unit.post_forward),
+                                                              always_call=True))  # pops the saved-tensor hooks
+            root = self.module
+            self._hook(root, root.register_forward_pre_hook(_eager(self._pre_forward_root)))
+            self._hook(root, root.register_forward_hook(_eager(self._post_forward_root), always_call=True))
+            self._checked = list(dict.fromkeys(m for p in self.unit_of for m in self._owners.get(p, ())))
+            for mod in self._checked:
+                attach_check(mod, self, self._check_whole)
         for g in self.groups:
             for p in g.params:
-                p._zero_sharder = self  # read by owner_of(), at every stage
+                _OWNERS[p] = self  # read by owner_of(), at every stage (nothing on the parameter: it pickles as it is)
         if self.module is not None:  # module.load_state_dict of whole tensors: see
             # [Note: loading a full state dict] in engine/params/whole_state.py
-            self._handles += take_over_loading(self.module, self.groups)
+            for module, handle in take_over_loading(self.module, self.groups):
+                self._hook(module, handle)
         comm.begin_step()  # the first step's bytes start here: set-up broadcasts are not a step's
 
     def comm_stats(self) -> dict[str, int]:
@@ -500,10 +514,29 @@ class FlatParameters:
         loading a full state dict] in engine/params/whole_state.py."""
         load_full_state_dict(self.module, self.groups, state_dict, strict)
 
+    def _hook(self, module: nn.Module, handle: RemovableHandle) -> None:
+        self._handles.append((module, attach_hook(module, handle)))
+
+    def _check_whole(self, module: nn.Module) -> None:
+        """A copy of ``module`` holds its parameters as they are now: never released shards (see [Note: a
+        module's copies hold what the user sees] in engine/params/attached.py)."""
+        released = [n for n, p in module.named_parameters(recurse=False)
+                    if p in self.unit_of and p.numel() != self.full_numel[p]]
+        if released:
+            raise RuntimeError(
+                f"copying a {type(module).__name__} (pickle, copy.deepcopy, or saving an object that holds it) at "
+                f"ZeRO stage 3 outside its forward: its parameters {released[:3]} are this rank's shards, empty, and "
+                "the copy would be a module of empty tensors. Copy it inside `with zero_strategy."
+                "gathered_parameters(module):`, entered on every rank (a collective), where its parameters are "
+                "whole (checkpoints do that for the modules their state holds).")
+
     def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
+        for module, handle in self._handles:
+            detach_hook(module, handle)
         self._handles.clear()
+        for module in self._checked:
+            detach_check(module, self)
+        self._checked = []
 
 
 
@@ -517,7 +550,7 @@ def owner_of(param_or_module: Union[nn.Parameter, nn.Module]) -> Optional[FlatPa
             raise ValueError(f"{type(param_or_module).__name__}'s parameters are held by {len(owners)} flat-group "
                              "owners (one per optimizer of a plain loop); ask for them all with owners_of(module).")
         return owners[0] if owners else None
-    return getattr(param_or_module, "_zero_sharder", None)
+    return _OWNERS.get(param_or_module)
 
 
 def owners_of(params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[FlatParameters]:

@@ -62,9 +62,9 @@ def _keys_of(module: nn.Module, prefix: str, places: Mapping[nn.Parameter, Place
     return keys
 
 
-def take_over_loading(module: nn.Module, groups: Sequence[FlatGroup]) -> list[RemovableHandle]:
+def take_over_loading(module: nn.Module, groups: Sequence[FlatGroup]) -> list[tuple[nn.Module, RemovableHandle]]:
     """Register the hooks of [Note: loading a full state dict] on ``module`` and each of its submodules
-    that holds parameters of ``groups``; returns their handles."""
+    that holds parameters of ``groups``; returns each module with its handle."""
     places = group_places(groups)
     loaded: dict[int, set[str]] = {}  # id(the module whose load took them) -> the keys taken
 
@@ -99,8 +99,8 @@ def take_over_loading(module: nn.Module, groups: Sequence[FlatGroup]) -> list[Re
     handles = []
     for m in module.modules():
         if any(p in places for p in m.parameters()):
-            handles.append(m.register_load_state_dict_pre_hook(pre_hook))
-            handles.append(m.register_load_state_dict_post_hook(post_hook))
+            handles.append((m, m.register_load_state_dict_pre_hook(pre_hook)))
+            handles.append((m, m.register_load_state_dict_post_hook(post_hook)))
     return handles
 
 
