@@ -13,6 +13,7 @@ from torch import nn
 from zero_strategy.comm_model import predict_step_bytes
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import Collectives, ZeroOptimizer, shard_module
+from zero_strategy.engine.params.buffer_sync import BufferBroadcast
 
 from .distributed import run_distributed
 
@@ -32,18 +33,25 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Tied embeddings (the root unit), three blocks (units), a final norm (resident)."""
+    """Tied embeddings (the root unit), three blocks (units), a final norm (resident); with ``buffers``
+    a float and an int buffer, broadcast before each training step (broadcast_buffers)."""
 
-    def __init__(self, d: int = WIDTH) -> None:
+    def __init__(self, d: int = WIDTH, buffers: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, d)
         self.blocks = nn.ModuleList(Block(d) for _ in range(3))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB, bias=False)
         self.head.weight = self.wte.weight
+        if buffers:
+            self.register_buffer("gain", torch.ones(d))
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, idx):
         h = self.wte(idx)  # (B, T, C)
+        if hasattr(self, "gain"):
+            h = h * self.gain
+            self.calls += 1
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))  # (B, T, V)
@@ -79,8 +87,12 @@ CASES = {
     "stage3-noguard-hpZ": (3, {"check_unit_order": False, "secondary_partition_size": 2}, torch.float32, False),
     # blocks of 1 MiB in one segment, one thread per rank: their all-gathers go as broadcasts, without headers
     "stage3-broadcasts": (3, {"bucket_cap_mb": 25}, torch.float32, False),
+    # buffers broadcast before the forward (see [Note: buffers kept in step]), the float one in the working dtype
+    "stage1-buffers": (1, {}, torch.float32, False),
+    "stage3-bf16-buffers": (3, {}, torch.bfloat16, False),
 }
 BROADCASTS = {"stage3-broadcasts": 256}  # case -> the model's width (see [Note: headers left out on gloo])
+WITH_BUFFERS = ("stage1-buffers", "stage3-bf16-buffers")
 
 
 def _train(rank: int, world_size: int, names: list[str]) -> dict:
@@ -91,13 +103,14 @@ def _train(rank: int, world_size: int, names: list[str]) -> dict:
         stage, options, dtype, clip = CASES[name]
         config = _config(stage, options)
         torch.manual_seed(0)
-        model = TinyLM(BROADCASTS.get(name, WIDTH)).to(dtype)
+        model = TinyLM(BROADCASTS.get(name, WIDTH), buffers=name in WITH_BUFFERS).to(dtype)
         threads = torch.get_num_threads()
         torch.set_num_threads(1 if name in BROADCASTS else threads)
         user_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         comm = Collectives(ranks_per_node=PER_NODE)
         sharder = shard_module(model, config, comm) if stage == 3 else None
         opt = ZeroOptimizer(user_opt, config, comm, sharder=sharder)
+        sync = BufferBroadcast(model, comm).hook() if name in WITH_BUFFERS else None  # as setup_engine does
         for step in range(2):
             g = torch.Generator().manual_seed(100 * step + rank)
             idx = torch.randint(0, VOCAB, (2, 6), generator=g)
@@ -123,6 +136,8 @@ def _train(rank: int, world_size: int, names: list[str]) -> dict:
         out[name] = {"phases": deltas, "stats": opt.comm_stats(), "sharder_stats": sharder.comm_stats()
                      if sharder is not None else None, "params": params,
                      "left_out": sharder is not None and sharder.guard.leaves_out}
+        if sync is not None:
+            sync.remove_hooks()
         torch.set_num_threads(threads)
     return out
 
@@ -130,7 +145,7 @@ def _train(rank: int, world_size: int, names: list[str]) -> dict:
 def _predicted(name: str, by_phase: bool):
     stage, options, dtype, clip = CASES[name]
     with torch.device("meta"):
-        model = TinyLM(BROADCASTS.get(name, WIDTH))
+        model = TinyLM(BROADCASTS.get(name, WIDTH), buffers=name in WITH_BUFFERS)
     return predict_step_bytes(model, _config(stage, options), WORLD, PER_NODE, dtype=dtype,
                               clipping=clip, by_phase=by_phase, backend="gloo")
 
@@ -152,6 +167,7 @@ def test_comm_stats_equal_the_models_prediction_exactly(runs, name):
             assert got["sharder_stats"] == want
         for phase in ("forward", "backward", "step"):
             assert got["phases"][phase] == phases.get(phase, {k: 0 for k in want}), f"rank {rank}, {phase}"
+    assert (want["broadcast"] > 0) == (name in WITH_BUFFERS)  # the buffers' (the gathers by broadcasts count as such)
     assert want["total"] == sum(want[k] for k in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"))
     assert want["total"] == want["intra_node"] + want["inter_node"] > 0
 

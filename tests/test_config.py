@@ -28,7 +28,10 @@ def test_defaults():
     assert cfg.stage == 2
     assert cfg.bucket_cap_mb == 25.0
     assert cfg.allow_untested_optimizer is False
+    assert cfg.broadcast_buffers is True  # DDP's default
     assert SUPPORTED_STAGES == (1, 2, 3)
+    with pytest.raises(ValueError, match=r"broadcast_buffers='no' must be True \(rank 0's buffers .*\) or False"):
+        ZeroConfig(broadcast_buffers="no")
 
 
 @pytest.mark.parametrize("stage", (1, 2))

@@ -47,15 +47,16 @@ class Scale(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, d_in: int = 6, width: int = 16, depth: int = 4, d_out: int = 3) -> None:
+    def __init__(self, d_in: int = 6, width: int = 16, depth: int = 4, d_out: int = 3, batchnorm: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(d_in, width)
+        self.norm = nn.BatchNorm1d(width) if batchnorm else nn.Identity()  # statistics of each rank's batches
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.head = nn.Linear(width, d_out)
         self.scale = Scale(d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.norm(self.inp(x)))
         for block in self.blocks:
             h = block(h)
         return self.scale(self.head(h))
@@ -151,6 +152,17 @@ def _loops(rank: int, world_size: int) -> dict:
         result["params"] = whole(fabric, model)
         result["reduce_scatter"] = fabric.strategy.comm_stats()["reduce_scatter"]
         runs[f"zero{stage}-local"] = result
+    for name in ("ddp", "zero2", "zero3"):  # issue 50: batch norm's buffers, broadcast as Fabric's DDP does
+        fabric = fabric_for("ddp" if name == "ddp" else zero(int(name[-1])), world_size)
+        torch.manual_seed(0)
+        net = Net(batchnorm=True)  # SGD: the bias before the norm gets a gradient of rounding noise, which Adam
+        model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))  # would scale up
+        result = train(fabric, model, [opt], rank)  # no_backward_sync: the next forward broadcasts nothing
+        model.eval()
+        with torch.no_grad():  # the first evaluation takes rank 0's statistics, the second broadcasts nothing
+            result["evaluated"] = torch.stack([model(micro_batch(50 + i, rank)[0]) for i in range(2)])
+        result["params"] = whole(fabric, model)
+        runs[f"{name}-bn"] = result
     # precisions against fp32 with SGD, whose update is linear in the gradient (Adam's first steps follow only
     # the gradients' signs, so rounding noise in a near-zero gradient would move a weight by a whole lr)
     for precision in ("32-true", "bf16-mixed", "bf16-true", "16-mixed"):
@@ -202,6 +214,18 @@ def test_a_fabric_loop_at_every_stage_equals_fabric_ddp(loops, two):
             assert (len(got["warned"]) == 1) == (stage >= 2 and rank == 0), got["warned"]
     for name, value in loops[0]["zero3"]["params"].items():  # data parallel: the ranks agree
         assert torch.equal(value, loops[1]["zero3"]["params"][name]), name
+
+
+@pytest.mark.timeout(240)
+def test_a_batch_norms_buffers_follow_fabric_ddp(loops):
+    for rank, runs in enumerate(loops):
+        ddp = runs["ddp-bn"]
+        for stage in (2, 3):
+            got = runs[f"zero{stage}-bn"]
+            assert_same(got, ddp, **FP32)
+            torch.testing.assert_close(got["evaluated"], ddp["evaluated"], rtol=0, atol=1e-6)
+    means = [runs["zero2-bn"]["params"]["norm.running_mean"] for runs in loops]
+    assert torch.equal(means[0], means[1])  # the evaluation took rank 0's, which the batches had made differ
 
 
 @pytest.mark.timeout(240)

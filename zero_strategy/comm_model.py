@@ -13,6 +13,10 @@ the meta device) and lists the collectives of one training step:
   [Note: headers left out on gloo] in engine/comm/order_guard.py);
 - every stage: one reduce-scatter per gradient segment (stages 2-3 in backward, per micro-batch;
   stage 1 once, before the step), quantized with ``quantized_gradients``;
+- with ``broadcast_buffers`` and buffers, one broadcast of their bytes over all ranks before the
+  forward of the first micro-batch (the front ends run the others inside DDP's no-sync; the first
+  step after an evaluation pass broadcasts none, as DDP's: see [Note: buffers kept in step] in
+  engine/params/buffer_sync.py);
 - the step: one all-reduce of a byte per trainable parameter (which got a gradient), one of the
   overflow flag (fp16 loss scaling), one of the clipping norm (8 bytes), then the all-gathers of
   the parameters kept whole (every one at stages 1-2; the small, resident ones at stage 3).
@@ -212,8 +216,12 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     secondary_inter = secondary is not None and nodes.spans_nodes(list(range(secondary)))
     trainable = [g for g in [*(g for u in units for g in u), *root, *resident] if g.trainable]
 
+    buffer_bytes = sum(b.numel() * (element_size if element_size and b.is_floating_point() else b.element_size())
+                       for b in module.buffers())  # floating-point buffers in the working dtype, as converted
     for micro in range(accumulation_steps):
         step.phase = "forward"
+        if micro == 0 and config.broadcast_buffers and buffer_bytes:
+            step.world_collective("broadcast", buffer_bytes)
         if config.stage == 3:
             for unit in [root, *units]:  # the root first: its pre-forward hook runs before any unit's
                 for g in unit:

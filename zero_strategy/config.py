@@ -255,6 +255,18 @@ class ZeroConfig:
         order of additions differs); "every_backward": after each micro-batch's reduce-scatter, as
         without accumulation. See [Note: hybrid sharding] in engine/comm/topology.py.""")
 
+    # ---- kept in step as under DDP (issue 50): see [Note: buffers kept in step] in engine/params/buffer_sync.py
+    broadcast_buffers: bool = option(True, deepspeed=(), doc="""
+        Before a forward of the module, as DDP's default does: rank 0's buffers (BatchNorm's running
+        statistics, any ``register_buffer``) go to every rank in one broadcast, when the previous
+        forward ran with grad enabled and outside ``no_sync`` (``block_backward_sync``,
+        ``fabric.no_backward_sync``), or none ran yet: once per training step, none between evaluation
+        forwards. At every stage (stage 3's buffers are whole on every rank). False keeps each rank's
+        own buffers after setup (which starts every rank from rank 0's), as DDP's
+        ``broadcast_buffers=False`` (torch 2.13: ``forward_sync_buffers=False``). The Trainer counts one
+        forward per ``training_step`` and ``validation_step`` while fitting, as Lightning's DDP wraps
+        them; ``initialize`` never broadcasts (DeepSpeed's engine does not).""")
+
     def _check_shard_group_size(self) -> None:
         size = self.shard_group_size
         if size not in (None, "node") and (type(size) is not int or size < 1):
@@ -315,6 +327,9 @@ class ZeroConfig:
             raise ValueError(f"cpu_mmap_threshold_mb={mmap!r} must be a number of MiB from {MIN_MMAP_THRESHOLD_MB} "
                              f"(glibc's own starting value) to {MAX_MMAP_THRESHOLD_MB} (its limit; 4 is the default), "
                              "or None to leave glibc's own rule.")
+        if not isinstance(self.broadcast_buffers, bool):
+            raise ValueError(f"broadcast_buffers={self.broadcast_buffers!r} must be True (rank 0's buffers go to every "
+                             "rank before a forward, as DDP's default) or False (each rank keeps its own).")
         if not isinstance(self.check_unit_order, bool):
             raise ValueError(f"check_unit_order={self.check_unit_order!r} must be True or False.")
         wait = self.unit_order_wait

@@ -17,7 +17,9 @@ checkpoint written here resumes under the Trainer and the other way round.
   micro-batches would undo what stage 2 saves), so the context cannot skip that exchange: the
   results are the same, and a warning says so once. With ``local_accumulation=True`` stages 2-3
   trade that memory for the exchange: inside the context gradients add into a full-size local
-  buffer, and the first backward outside reduces them once (see [Note: local accumulation]).
+  buffer, and the first backward outside reduces them once (see [Note: local accumulation]). At
+  every stage a forward inside it makes the next forward broadcast no buffers, as DDP's ``no_sync``
+  (see [Note: buffers kept in step] in engine/params/buffer_sync.py).
 - ``clip_gradients`` clips over every rank's shard (a collective: every rank calls it). An fp16
   overflow, after which ``step()`` skips the step, returns an inf norm; ``error_if_nonfinite``
   applies when there is no loss scaler to skip it.
@@ -44,9 +46,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -69,6 +71,7 @@ from .names import register_names
 from .engine.grads.accumulation import deferred_reduction, defers
 from .frontend import (EngineModel, add_optimizers, clip_grad_norm, clip_grad_value,
                        load_full_model, move_module, read_state_dict_file, setup_engine)
+from .frontend.in_step import no_sync
 from .frontend.named_state import load_named_state, save_named_state, save_named_state_full
 from .frontend.options import ProcessLayout, barrier, broadcast_object, read_options, takes_options
 from .frontend.precision import WorkingPrecisionPlugin, generic_precision_name
@@ -128,7 +131,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
             return nullcontext()
         engine = self.strategy._engine_of(module, "fabric.no_backward_sync(model)")
         if defers(engine.optimizers):  # see [Note: local accumulation] in engine/grads/accumulation.py
-            return deferred_reduction(engine.optimizers)
+            return _both(deferred_reduction(engine.optimizers), no_sync(engine.buffer_sync))
         if self.strategy.config.stage >= 2 and not self.warned:
             self.warned = True
             rank_zero_warn(f"fabric.no_backward_sync at ZeRO stage {self.strategy.config.stage}: each micro-batch's "
@@ -136,7 +139,13 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
                            "whole gradients until the step would undo what stage 2 saves). Accumulation gives the "
                            "same result; only stage 1 exchanges nothing until optimizer.step(), and stages 2-3 with "
                            "local_accumulation=True (at the cost of a full-size gradient buffer).")
-        return nullcontext()
+        return no_sync(engine.buffer_sync)  # DDP's no_sync: the next forward broadcasts no buffers
+
+
+@contextmanager
+def _both(first: AbstractContextManager, second: AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):

@@ -304,7 +304,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     settings = map_deepspeed_config(config, world_size=dist.get_world_size(), front_end="initialize")
     check_batch_sizes(settings)
     stage = int(settings.strategy["stage"])
-    zero_config = ZeroConfig(**{**settings.strategy, "stage": max(stage, 1)})
+    # broadcast_buffers=False: DeepSpeed's engine broadcasts the parameters once (_broadcast_model) and the
+    # buffers never, so a ported script keeps each rank's own (see [Note: buffers kept in step])
+    zero_config = ZeroConfig(**{**settings.strategy, "stage": max(stage, 1), "broadcast_buffers": False})
     comm = Collectives(collective_timeout=zero_config.collective_timeout)
     rank_here = local_rank_from_arguments(args)  # see [Note: args.local_rank] in deepspeed/arguments.py
     rank_here = local_rank() if rank_here is None else rank_here

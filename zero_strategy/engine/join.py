@@ -21,7 +21,14 @@ and does what each announcement says, on its own state:
   grad is enabled, a backward from the output's first tensor that requires grad (the loss, or the
   logits) with a gradient of zeros. So it contributes zero gradients, as DDP's joined rank does,
   and the mean over ranks divides by the whole world size, as DDP's does by default; the units it
-  gathers, and the order guard's tags, are those of a rank in step;
+  gathers, and the order guard's tags, are those of a rank in step. Its buffers are put back after
+  the replay (the repeated batch must not move BatchNorm's statistics: a joined DDP rank runs no
+  forward). With ``broadcast_buffers`` (see [Note: buffers kept in step] in
+  engine/params/buffer_sync.py) a forward's announcement also says whether the working ranks
+  broadcast their buffers before it, from which rank (the highest working one, as DDP's Join
+  chooses: rank 0 may have joined with stale ones), and whether the next forward will: the joined
+  rank takes the broadcast with them, and keeps its flag as theirs. When all have joined, every rank
+  takes the buffers of the last to join (the highest of them), as DDP's Join ends;
 - a call of an optimizer: the same call with the same arguments, after setting the param groups'
   hyperparameters to the working ranks' for a ``step``: its shard of every parameter steps with the
   same gradient and learning rate as on the others, so every rank ends with the same weights.
@@ -49,6 +56,7 @@ from torch.utils._pytree import tree_flatten
 from .comm.collectives import Collectives
 from .diagnose import rank_board
 from .optim.optimizer import ZeroOptimizer
+from .params.buffer_sync import broadcast_of
 
 __all__ = ["Join"]
 
@@ -205,6 +213,9 @@ class Join:
         finally:
             self._handle.remove()
             self._handle = None
+            sync = broadcast_of(self.module)
+            if sync is not None:
+                sync.source = 0  # the highest working rank was Join's choice only
             for obj, name, had, previous in reversed(self._saved):
                 if had:
                     setattr(obj, name, previous)
@@ -214,18 +225,26 @@ class Join:
 
     # ---- a working rank announces -----------------------------------------------------------
 
-    def _announce(self, event: int, numbers: list[float]) -> None:
+    def _announce(self, event: int, numbers: list[float]) -> list[float]:
+        """Tell the joined ranks the next call; returns ``numbers`` reduced (MAX) over the working ranks."""
         header = torch.tensor([1.0, float(event), float(len(numbers))], dtype=torch.float64, device=self.device)
         self.comm.all_reduce(header, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of Join's next call")
-        if numbers:
-            extra = torch.tensor(numbers, dtype=torch.float64, device=self.device)
-            self.comm.all_reduce(extra, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of Join's call arguments")
+        if not numbers:
+            return []
+        extra = torch.tensor(numbers, dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(extra, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of Join's call arguments")
+        return extra.tolist()
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.joined or _in_backward() or self._depth:
             return
         self._last = (args, kwargs)
-        self._announce(FORWARD, [float(torch.is_grad_enabled())])
+        sync = broadcast_of(self.module)  # the broadcast of buffers before this forward: see [Note: joining]
+        broadcasts = sync is not None and sync.due
+        got = self._announce(FORWARD, [float(torch.is_grad_enabled()), float(self.comm.rank) if broadcasts else -1.0,
+                                       float(sync is not None and sync.due_after)])
+        if broadcasts:
+            sync.source = int(got[1])  # the highest working rank
 
     def _announcing(self, index: int, method: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(method)
@@ -254,13 +273,16 @@ class Join:
         self.joined = True
         board = rank_board.board()
         board.note("joined (Join): its batches ran out; it answers the others' collectives")
+        last_joiner = True  # no rank worked on after this one
         try:
             while True:
                 header = torch.tensor([0.0, -1.0, 0.0], dtype=torch.float64, device=self.device)
                 self.comm.all_reduce(header, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of Join's next call")
                 working, event, count = header.tolist()
                 if working == 0:
+                    self._last_joiners_buffers(last_joiner)
                     return
+                last_joiner = False
                 numbers = []
                 if count:
                     extra = torch.full((int(count),), -math.inf, dtype=torch.float64, device=self.device)
@@ -268,26 +290,53 @@ class Join:
                                          what=lambda: "all-reduce of Join's call arguments")
                     numbers = extra.tolist()
                 if int(event) == FORWARD:
-                    self._replay_forward(bool(numbers[0]))
+                    self._replay_forward(bool(numbers[0]), int(numbers[1]), bool(numbers[2]))
                 else:
                     self._replay_call(int(event) - 1, numbers)
         finally:
             self.joined = False
             board.note("in step")
 
-    def _replay_forward(self, grad: bool) -> None:
+    def _last_joiners_buffers(self, last_joiner: bool) -> None:
+        """With ``broadcast_buffers``: every rank leaves with the buffers of the last rank to join (the
+        highest of them), as DDP's Join leaves it (see [Note: joining])."""
+        sync = broadcast_of(self.module)
+        if sync is None:
+            return
+        source = torch.tensor([float(self.comm.rank) if last_joiner else -1.0], dtype=torch.float64,
+                              device=self.device)
+        self.comm.all_reduce(source, op=dist.ReduceOp.MAX, what=lambda: "all-reduce of Join's last joiner")
+        sync.broadcast(int(source.item()))
+
+    def _replay_forward(self, grad: bool, source: int, due_after: bool) -> None:
+        """The working ranks' forward, on this rank's last batch: their buffer broadcast (from ``source``;
+        none when negative), this rank's buffers kept, and zero gradients (see [Note: joining])."""
         if self._last is None:
             raise RuntimeError(f"Join: rank {self.comm.rank} ran out of batches before its first forward inside the "
                                "context, so it has no batch to repeat for the others' forwards; give every rank at "
                                "least one batch (or enter Join before the loop on every rank).")
         args, kwargs = self._last
-        with torch.set_grad_enabled(grad):
-            output = self.module(*args, **kwargs)
-            if grad:
-                first = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad),
-                             None)
-                if first is not None:  # a gradient of zeros: this rank contributes nothing (see [Note: joining])
-                    torch.autograd.backward(first, torch.zeros_like(first))
+        sync = broadcast_of(self.module)
+        if sync is not None:
+            if source >= 0:
+                sync.broadcast(source)
+            sync.due, sync.paused = due_after, True  # its hooks stay out of the replay
+        buffers = list(self.module.buffers())
+        kept = [b.detach().clone() for b in buffers]
+        try:
+            with torch.set_grad_enabled(grad):
+                output = self.module(*args, **kwargs)
+                if grad:
+                    first = next((t for t in tree_flatten(output)[0]
+                                  if isinstance(t, torch.Tensor) and t.requires_grad), None)
+                    if first is not None:  # a gradient of zeros: this rank contributes nothing (see [Note: joining])
+                        torch.autograd.backward(first, torch.zeros_like(first))
+        finally:
+            if sync is not None:
+                sync.paused = False
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                for b, value in zip(buffers, kept):
+                    b.copy_(value)
 
     def _replay_call(self, index: int, numbers: list[float]) -> None:
         obj, name = self.calls[index]

@@ -14,6 +14,7 @@ from ..checkpoint.sharded import flat_groups
 from ..config import ZeroConfig
 from ..engine import Collectives, FlatParameters, ZeroOptimizer
 from ..engine.buffers.flat import FlatGroup
+from ..engine.params.buffer_sync import BufferBroadcast
 from .precision import WorkingPrecision
 
 
@@ -31,6 +32,7 @@ class EngineModel:
     sharder: Optional[FlatParameters] = None
     optimizers: list[ZeroOptimizer] = field(default_factory=list)
     saver: Optional[BackgroundSaver] = None  # with async_save: see [Note: saving in the background]
+    buffer_sync: Optional[BufferBroadcast] = None  # with broadcast_buffers: see [Note: buffers kept in step]
 
     @property
     def stage(self) -> int:
@@ -58,4 +60,6 @@ class EngineModel:
             opt.remove_hooks()
         if self.sharder is not None:
             self.sharder.remove_hooks()
+        if self.buffer_sync is not None:
+            self.buffer_sync.remove_hooks()
         remove_activation_offload(self.module)

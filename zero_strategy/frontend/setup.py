@@ -27,7 +27,10 @@ ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
    (see [Note: synced generation] in generation.py).
 6. activation offload (``offload_activations``): hooks on the module enter it around each forward,
    for every front end (see [Note: activation offload in every front end]); after step 5, so that
-   they enclose the stage-3 sharder's.
+   they enclose the stage-3 sharder's. Then, with ``broadcast_buffers`` over several ranks, the
+   buffer broadcast before each forward (see [Note: buffers kept in step] in
+   engine/params/buffer_sync.py), hooked first on the module's forward unless the front end counts
+   forwards itself (the Trainer: its steps, as Lightning's DDP wraps them).
 7. each optimizer re-created over this rank's pieces (``ZeroOptimizer``), with the loss scaler.
    ``add_optimizers`` is this step alone, for front ends that get optimizers after the module
    (Fabric's ``setup_module`` then ``setup_optimizers``): at stage 3 they map onto the units' groups
@@ -51,6 +54,7 @@ from ..activation import apply_activation_checkpointing, offload_activations_in_
 from ..checkpoint.background import BackgroundSaver
 from ..config import ZeroConfig
 from ..engine import Collectives, FlatParameters, ZeroOptimizer, shard_module
+from ..engine.params.buffer_sync import BufferBroadcast
 from ..engine.params.edits import seal
 from ..engine.params.materialize import fill_deferred, materialize_buffers, materialize_whole
 from ..generation import sync_generation
@@ -90,12 +94,14 @@ def sync_module(module: nn.Module, comm: Collectives, stage: int) -> None:
 
 def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecision, comm: Collectives,
                  device: torch.device, optimizers: Optimizers = (),
-                 sharder: Optional[FlatParameters] = None) -> EngineModel:
+                 sharder: Optional[FlatParameters] = None, hook_buffer_sync: bool = True) -> EngineModel:
     """Put ``module`` (and ``optimizers``, or the optimizers a factory builds) on the engine, in the
     order of [Note: the order of setup]. A collective.
 
     ``sharder``: the one this module got at an earlier setup (stage 3 keeps a module sharded between
     a Trainer's fit and test); its groups take the parameters back instead of sharding again.
+    ``hook_buffer_sync`` False: the front end calls ``model.buffer_sync`` around what it counts as a
+    forward instead of the module's forward hooks.
     """
     config = engine_config(config, precision)
     seal(module)  # what the script did to a model built on meta ends here: see [Note: changes before setup]
@@ -127,6 +133,10 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
     sync_generation(module, config.stage, comm)
     if config.offload_activations:  # 6
         offload_activations_in_forward(module)
+    if config.broadcast_buffers and comm.world_size > 1:
+        model.buffer_sync = BufferBroadcast(module, comm)
+        if hook_buffer_sync:
+            model.buffer_sync.hook()
     return add_optimizers(model, built)  # 7
 
 
