@@ -189,3 +189,20 @@ def test_shard_modules_that_match_nothing_list_the_model_classes():
         with pytest.raises(ValueError, match=rf"shard_modules=\['NoSuchBlock'\] matches no module of "
                                              rf"{type(model).__name__}.*Linear \(2\)"):
             _trainer(strategy=ZeroStrategy(stage=3, shard_modules=["NoSuchBlock"])).fit(model)
+
+
+class _WithBatchNorm(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+
+def test_sync_batchnorm_where_torch_cannot_sync_is_refused_before_training():
+    # Lightning's DDP applies sync_batchnorm (SyncBatchNorm layers), which torch refuses on CPU at the first step
+    model = _WithBatchNorm()
+    trainer = _trainer(strategy=ZeroStrategy(stage=2), sync_batchnorm=True)
+    with pytest.raises(ValueError, match=r"Trainer\(sync_batchnorm=True\) on a cpu device: torch's SyncBatchNorm "
+                                         r".*accelerator='gpu'.*drop sync_batchnorm=True"):
+        trainer.fit(model)
+    assert trainer.global_step == 0
+    assert type(model.layer[1]) is torch.nn.BatchNorm1d  # the model as it was

@@ -37,11 +37,14 @@ from .deepspeed.trainer import apply_to_trainer, check_batch_size, optimizers_fr
 from .engine import Collectives, FlatParameters, ZeroOptimizer
 from .names import register_names
 from .engine.grads.accumulation import deferred_reduction
+from .engine.params.buffer_sync import BufferBroadcast
 from .engine.diagnose.rank_board import mark
 from .engine.diagnose.watchdog import install_sigterm_handler
 from .frontend import (EngineModel, deepspeed_optimizer_state, load_full_model, load_sharded_model,
                        load_sharded_optimizers, move_module, open_sharded, read_deepspeed, save_sharded_model,
                        setup_engine)
+from .frontend.checkpoint import whole_modules_in
+from .frontend.in_step import apply_layer_sync, no_sync, one_forward
 from .frontend.options import ProcessLayout, barrier, broadcast_object, read_options, takes_options
 from .frontend.pretrained import save_pretrained
 from .frontend.setup import engine_config
@@ -118,6 +121,10 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         self._comm: Optional[Collectives] = None  # every collective of the engine, once the process group exists
         self._sharder: Optional[FlatParameters] = None  # the model's flat groups, once set up
         self._saver: Optional[BackgroundSaver] = None  # with async_save, once set up
+        self._buffer_sync: Optional[BufferBroadcast] = None  # while fitting: see [Note: buffers kept in step]
+        self._layer_synced = False  # sync_batchnorm applied by this fit's setup, reverted at its teardown
+        self._set_up = False  # the engine's setup of this run is done (stage 3 loads checkpoints after it)
+        self._deferred_load: Optional[tuple[Mapping[str, Any], bool]] = None
 
     # ---- what Lightning asks about the layout of processes ---------------------------------
 
@@ -177,12 +184,20 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
             self.setup_optimizers(trainer)
             return self.optimizers
 
+        if fitting and self._layer_sync is not None:  # sync_batchnorm=True, as Lightning's DDP applies it
+            self.model = apply_layer_sync(self._layer_sync, self.model, self.root_device)
+            self._layer_synced = True
         engine = setup_engine(self.model, self.config, self.precision_plugin.working, self.comm, self.root_device,
-                              configure_optimizers if fitting else (), sharder=self._sharder)
+                              configure_optimizers if fitting else (), sharder=self._sharder, hook_buffer_sync=False)
         self._sharder = engine.sharder
         self._saver = engine.saver
+        self._buffer_sync = engine.buffer_sync if fitting else None  # the steps DDP wraps: see training_step
         if fitting:
             self.optimizers = list(engine.optimizers)
+        self._set_up = True
+        if self._deferred_load is not None:  # stage 3: a checkpoint's weights, into the shards just made
+            deferred, self._deferred_load = self._deferred_load, None
+            self.load_model_state_dict(*deferred)
         self.setup_precision_plugin()
         if fitting:
             self._point_schedulers_at_zero_optimizers()
@@ -236,7 +251,10 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return self.config.stage == 3  # weights are loaded into the shards, which setup creates
+        # before setup at every stage: Lightning 2.6 drops fit's weights_only when it restores after setup, and
+        # a checkpoint whose hyper-parameters hold a module needs weights_only=False; stage 3 loads the weights
+        # into the shards once setup made them (load_model_state_dict)
+        return False
 
     # ---- a hung collective ends the job: see [Note: hang watchdog] in engine/diagnose/watchdog.py ----------
 
@@ -270,13 +288,16 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
     # ---- stage 3: the root unit is held around each step, and state dicts are gathered ------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sharder is not None:
-            self._sharder.hold_root()  # released when backward ends
-        with offload_activations(enabled=self.config.offload_activations):  # saved tensors wait in host memory
-            return super().training_step(*args, **kwargs)
+        # Lightning's DDP runs the fit's training and validation steps through DDP's forward, which
+        # broadcasts the buffers: the same here (see [Note: buffers kept in step] in engine/params/buffer_sync.py)
+        with one_forward(self._buffer_sync):
+            if self._sharder is not None:
+                self._sharder.hold_root()  # released when backward ends
+            with offload_activations(enabled=self.config.offload_activations):  # saved tensors wait in host memory
+                return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._root_held():
+        with one_forward(self._buffer_sync), self._root_held():
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -326,8 +347,9 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Sharded: every rank writes its pieces into the directory ``filepath``, atomically (see [Note: one
         checkpoint format for every front end]). Full: rank 0 writes one file through the CheckpointIO plugin."""
-        if self.state_dict_type == "full":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.state_dict_type == "full":  # a module in the hyper-parameters is pickled whole: whole_modules_in
+            with whole_modules_in(checkpoint, self._engine):
+                return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"storage_options={storage_options!r} is not supported by sharded checkpoints, which are "
                             "written by the strategy, not a CheckpointIO plugin; use state_dict_type='full' for it.")
@@ -344,7 +366,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
             return fit_to_module(checkpoint, list(self.lightning_module.state_dict(keep_vars=True)))
         if not is_sharded_checkpoint(checkpoint_path) and Path(checkpoint_path).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
-        reader, checkpoint, saved = open_sharded(checkpoint_path, self.comm, self.verify_checkpoints)
+        reader, checkpoint, saved = open_sharded(checkpoint_path, self.comm, self.verify_checkpoints, weights_only)
         checkpoint["state_dict"] = {}  # loaded from the rank files by load_model_state_dict
         if saved["optimizers"] is not None:
             checkpoint["optimizer_states"] = [{} for _ in saved["optimizers"]]
@@ -359,6 +381,9 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.config.stage == 3 and not self._set_up:  # no shards yet: setup loads them
+            self._deferred_load = (checkpoint, strict)
+            return
         if _SHARDED in checkpoint:
             reader, saved = checkpoint[_SHARDED]
             return load_sharded_model(self._engine, reader, saved, strict)
@@ -386,7 +411,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         """The Trainer's micro-batches before an accumulation boundary: with ``local_accumulation``
         (stages 2-3) their backward adds into local buffers and the boundary's reduces once (see [Note:
         local accumulation] in engine/grads/accumulation.py); otherwise each backward reduces as usual."""
-        with deferred_reduction(self._zero_optimizers):
+        with deferred_reduction(self._zero_optimizers), no_sync(self._buffer_sync):  # and DDP's buffer flag
             yield
 
     def memory_stats(self) -> dict[str, int]:
@@ -415,6 +440,11 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         for opt in self.optimizers:
             if isinstance(opt, ZeroOptimizer):
                 opt.remove_hooks()
+        self._buffer_sync, self._set_up = None, False
+        if self._layer_synced:  # batch norm layers as they were before the fit, as Lightning's DDP reverts them
+            self._layer_synced = False
+            assert self._layer_sync is not None and self.model is not None
+            self.model = self._layer_sync.revert(self.model)
         module = self.lightning_module
         on_meta = module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers()))
         if on_meta:  # set-up failed before stage 3 built the weights: nothing to move, and moving would raise,

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from zero_strategy import ZeroPrecision, ZeroStrategy  # the import registers "zero_stage_1", "zero_stage_2", ...
@@ -121,13 +122,54 @@ class TwoOptimizers(Classifier):
         self.trainer.optimizers[0].param_groups[0]["lr"] *= 0.9  # a schedule, stepped by hand
 
 
+class Net(nn.Module):
+    """The Classifier's layers as a network of their own, with a batch norm whose running statistics
+    follow each rank's batches (see [Note: buffers kept in step] in zero_strategy/engine/params/buffer_sync.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(11, 11)
+        self.body = nn.Sequential(nn.Linear(11, 37), nn.BatchNorm1d(37), nn.Tanh(), nn.Linear(37, 37), nn.Tanh())
+        self.head = nn.Linear(37, 3)
+
+    def forward(self, x):
+        return self.head(self.body(self.embed(x)))
+
+
+class NetInHparams(Classifier):
+    """The network passed to __init__ and kept in the hyper-parameters (``save_hyperparameters()``), as
+    lightning-hydra-template does: Lightning pickles it into every checkpoint. What the resumed run
+    unpickled is kept in ``loaded_net``."""
+
+    def __init__(self, net: nn.Module, build_in_configure_model: bool = False) -> None:
+        super().__init__(build_in_configure_model=True)  # no layers of the Classifier's own
+        self.save_hyperparameters()
+        self.net = net
+        self.built_on = net.head.weight.device.type
+        self.loaded_net: dict = {}
+
+    def configure_model(self) -> None:
+        pass
+
+    def forward(self, x):
+        return self.net(x)
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded_net = {k: v.clone() for k, v in checkpoint["hyper_parameters"]["net"].state_dict().items()}
+
+
 def loaders():
     train = DataLoader(dataset(8 * 2 * 12 * 4, 1), batch_size=8)  # enough batches for 12 steps of 4
     val = DataLoader(dataset(64, 2), batch_size=16)
     return train, val
 
 
-def strategy(name: str):
+def strategy(name: str, broadcast_buffers: bool = True):
+    if not broadcast_buffers:  # DDP's option, and ZeroStrategy's of the same name
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(broadcast_buffers=False) if name == "ddp" else ZeroStrategy(stage=int(name[-1]),
+                                                                                        broadcast_buffers=False)
     if name == "zero3-linear":  # every Linear its own unit, nothing resident: the real stage 3 paths
         # the order guard checks every pass here, so that comm_stats() of the last step holds its tags
         return ZeroStrategy(stage=3, shard_modules=("Linear",), param_persistence_threshold=0)
@@ -151,14 +193,21 @@ def precision(args) -> dict:
     return {"precision": args.precision}
 
 
-def trainer(args, max_steps: int) -> L.Trainer:
+def trainer(args, max_steps: int, callbacks: tuple = ()) -> L.Trainer:
     return L.Trainer(
         **precision(args),
-        strategy=strategy(args.strategy), accelerator="cpu", devices=2, max_steps=max_steps, val_check_interval=4,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=strategy(args.strategy, not args.no_broadcast_buffers), accelerator="cpu", devices=2,
+        max_steps=max_steps, val_check_interval=4, logger=False, enable_checkpointing=bool(callbacks),
+        callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=args.clip or None, gradient_clip_algorithm=args.clip_algorithm,
         accumulate_grad_batches=args.accumulate,
     )
+
+
+def whole_state(trainer: L.Trainer) -> dict:
+    """The module's state dict as the user sees it, on every rank (ZeroStrategy's gathers: a collective)."""
+    strategy = trainer.strategy
+    return strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else strategy.lightning_module_state_dict()
 
 
 def main() -> None:
@@ -174,6 +223,9 @@ def main() -> None:
     parser.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
     parser.add_argument("--clip-algorithm", default="norm", choices=["norm", "value"])
     parser.add_argument("--stop-at", type=int, default=0, help="fit to this step, save, resume in a new Trainer")
+    parser.add_argument("--net-in-hparams", action="store_true",
+                        help="NetInHparams (a batch norm; with --stop-at saved by ModelCheckpoint)")
+    parser.add_argument("--no-broadcast-buffers", action="store_true", help="broadcast_buffers=False")
     args = parser.parse_args()
     if args.cases is None:
         run(args)
@@ -192,18 +244,29 @@ def run(args: argparse.Namespace) -> None:
     """One case: fit (with validation), validate, test, predict; save what this rank saw."""
     L.seed_everything(0)
     model_class = TwoOptimizers if args.manual else Classifier
+    if args.net_in_hparams:
+        def model_class(configure_model: bool) -> NetInHparams:
+            return NetInHparams(Net(), configure_model)
     model = model_class(args.configure_model)
     train, val = loaders()
+    net_at_save: dict = {}
     if args.stop_at:
-        first = trainer(args, args.stop_at)
+        # a network in the hyper-parameters: saved by ModelCheckpoint, as users' runs save (resumed with
+        # weights_only=False, which unpickling a module needs, under DDP as here)
+        saver = ModelCheckpoint(os.path.join(args.out, "checkpoints"), every_n_train_steps=args.stop_at)
+        first = trainer(args, args.stop_at, (saver,) if args.net_in_hparams else ())
         first.fit(model, train, val)
-        ckpt = os.path.join(args.out, "mid.ckpt")
-        first.save_checkpoint(ckpt)
+        if args.net_in_hparams:
+            ckpt = saver.best_model_path
+            net_at_save = {k[len("net."):]: v for k, v in whole_state(first).items() if k.startswith("net.")}
+        else:
+            ckpt = os.path.join(args.out, "mid.ckpt")
+            first.save_checkpoint(ckpt)
         model = model_class(args.configure_model)  # fresh weights: everything must come from the checkpoint
         model.losses = first.lightning_module.losses
         model.lrs = first.lightning_module.lrs
         fit_trainer = trainer(args, args.steps)
-        fit_trainer.fit(model, train, val, ckpt_path=ckpt)
+        fit_trainer.fit(model, train, val, ckpt_path=ckpt, weights_only=False if args.net_in_hparams else None)
     else:
         fit_trainer = trainer(args, args.steps)
         fit_trainer.fit(model, train, val)
@@ -232,7 +295,8 @@ def run(args: argparse.Namespace) -> None:
         "metrics": fit_metrics, "world_size": fit_trainer.world_size,
         # whole at every stage (a collective); ZeroStrategy's lightning_module_state_dict is empty: see
         # [Note: checkpoint layout] in zero_strategy/checkpoint/store.py
-        "params": strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else strategy.lightning_module_state_dict(),
+        "params": whole_state(fit_trainer),
+        "net_at_save": net_at_save, "loaded_net": getattr(model, "loaded_net", {}),
     }, os.path.join(args.out, f"rank{rank}.pt"))
 
 
