@@ -7,9 +7,9 @@
 
 diagnose: what the engine knows when ranks part (header, rank board, tally, watchdog); comm: every
 byte sent (collectives, volume, quantization, hybrid topology, the order guard on gathers); buffers:
-flat buffers and their memory; params: stage 3's units and the owner of the flat groups; grads: the
-reducer, accumulation, the loss scaler; optim: ZeroOptimizer, its state and checks, and one file
-per step backend in optim/step/. params and grads do not import each other. Outside the engine the
+flat buffers and their memory; params: stage 3's units, the owner of the flat groups, what the engine
+attaches to modules and the broadcast of their buffers; grads: the reducer, accumulation, the loss
+scaler; optim: ZeroOptimizer, its state and checks, and one file per step backend in optim/step/. params and grads do not import each other. Outside the engine the
 package runs config <- engine <- frontend <- strategy, fabric, deepspeed <- cli, and the engine
 never imports Lightning or Hydra. Every import counts, type-only and function-level ones too: an
 import circle, even a type-only one, makes two modules one unit to read and to change.

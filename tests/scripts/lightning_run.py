@@ -271,6 +271,7 @@ def run(args: argparse.Namespace) -> None:
         fit_trainer = trainer(args, args.steps)
         fit_trainer.fit(model, train, val)
     fit_metrics = {k: float(v) for k, v in fit_trainer.callback_metrics.items()}  # before validate resets them
+    fit_buffers = {k: v.clone() for k, v in model.named_buffers()}  # before validate's set-up takes rank 0's
     memory = fit_trainer.strategy.memory_stats() if hasattr(fit_trainer.strategy, "memory_stats") else {}
     comm = fit_trainer.strategy.comm_stats() if hasattr(fit_trainer.strategy, "comm_stats") else {}
     config = dataclasses.asdict(fit_trainer.strategy.config) if hasattr(fit_trainer.strategy, "config") else {}
@@ -296,7 +297,7 @@ def run(args: argparse.Namespace) -> None:
         # whole at every stage (a collective); ZeroStrategy's lightning_module_state_dict is empty: see
         # [Note: checkpoint layout] in zero_strategy/checkpoint/store.py
         "params": whole_state(fit_trainer),
-        "net_at_save": net_at_save, "loaded_net": getattr(model, "loaded_net", {}),
+        "net_at_save": net_at_save, "loaded_net": getattr(model, "loaded_net", {}), "fit_buffers": fit_buffers,
     }, os.path.join(args.out, f"rank{rank}.pt"))
 
 

@@ -16,13 +16,15 @@ evaluation differs from rank to rank and from DDP's.
 on every rank, as stages 1-2 do): ``before_forward`` and ``after_forward`` run around what the front
 end counts as one forward of the wrapped module, which is the root module's forward for Fabric and a
 plain loop (``hook``) and a training or validation step for the Trainer (Lightning's DDP wraps the
-steps); the front ends set ``no_sync`` while their no-sync context is open. The buffers go as bytes,
-one broadcast per device, through the engine's collectives: ``comm_stats()`` counts it, and the
-communication model predicts it (comm_model.py: once per training step, before its first micro-batch).
-The buffers are read again at each broadcast (a module may assign new ones, which DDP also allows for),
-and their version counters are kept (autograd may hold one saved by an earlier forward, as DDP
-allows). Under ``Join`` the source is the highest rank still working, as DDP's Join chooses, and a
-joined rank broadcasts when the others do (see [Note: joining] in engine/join.py).
+steps); the front ends set ``no_sync`` while their no-sync context is open. ``setup_engine`` makes
+and hooks it; a plain loop of ``ZeroOptimizer`` and ``shard_module`` hooks one itself
+(``BufferBroadcast(module, comm).hook()``). The buffers go as bytes, one broadcast per device, through
+the engine's collectives: ``comm_stats()`` counts it, and the communication model predicts it
+(comm_model.py: once per training step, before its first micro-batch). They are read again at each
+broadcast (a module may assign new ones, as DDP allows for), and their version counters are kept
+(autograd may hold one saved by an earlier forward, as DDP allows). Under ``Join`` the source is the
+highest rank still working, as DDP's Join chooses, and a joined rank broadcasts when the others do
+(see [Note: joining] in engine/join.py).
 """
 
 from __future__ import annotations
