@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -92,8 +93,8 @@ from .whole_state import load_full_state_dict, take_over_loading
 
 
 _OWNERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-"""Each parameter's FlatParameters (see ``owner_of``): kept here, not on the parameter, which then
-pickles and copies as the user's (see [Note: a module's copies hold what the user sees])."""
+"""Each parameter's FlatParameters, weakly (see ``owner_of``): kept here, not on the parameter, which
+then pickles and copies as the user's (see [Note: a module's copies hold what the user sees])."""
 
 
 def split_groups(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
@@ -225,7 +226,9 @@ class FlatParameters:
                 attach_check(mod, self, self._check_whole)
         for g in self.groups:
             for p in g.params:
-                _OWNERS[p] = self  # read by owner_of(), at every stage (nothing on the parameter: it pickles as it is)
+                # read by owner_of(), at every stage (nothing on the parameter: it pickles as it is); a weak
+                # reference, since a value holding its key strongly (self holds p) would keep both for ever
+                _OWNERS[p] = weakref.ref(self)
         if self.module is not None:  # module.load_state_dict of whole tensors: see
             # [Note: loading a full state dict] in engine/params/whole_state.py
             for module, handle in take_over_loading(self.module, self.groups):
@@ -550,7 +553,8 @@ def owner_of(param_or_module: Union[nn.Parameter, nn.Module]) -> Optional[FlatPa
             raise ValueError(f"{type(param_or_module).__name__}'s parameters are held by {len(owners)} flat-group "
                              "owners (one per optimizer of a plain loop); ask for them all with owners_of(module).")
         return owners[0] if owners else None
-    return _OWNERS.get(param_or_module)
+    owner = _OWNERS.get(param_or_module)
+    return owner() if owner is not None else None
 
 
 def owners_of(params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[FlatParameters]:
