@@ -278,10 +278,13 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         self._engines.append(engine)
         return engine
 
-    def _engine_of(self, module: nn.Module, call: str) -> EngineModel:
+    def _find_engine(self, module: nn.Module) -> Optional[EngineModel]:
         """The engine of ``module``: what ``fabric.setup`` returned (the wrapper) or the module inside it."""
         candidates = [module, getattr(module, "_forward_module", None), getattr(module, "_original_module", None)]
-        engine = next((e for e in self._engines if any(e.module is m for m in candidates)), None)
+        return next((e for e in self._engines if any(e.module is m for m in candidates)), None)
+
+    def _engine_of(self, module: nn.Module, call: str) -> EngineModel:
+        engine = self._find_engine(module)
         if engine is None:
             raise TypeError(f"{call}: the {type(module).__name__} was not set up by this strategy; pass the model that "
                             "fabric.setup(...) returned.")
@@ -333,11 +336,11 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         return save_pretrained(self._engine_of(module, "save_pretrained(model, dir)"), save_directory, **options)
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        engine = next((e for e in self._engines if e.module is module), None)
+        engine = self._find_engine(module)
         return engine.full_state_dict() if engine is not None else module.state_dict()
 
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        engine = next((e for e in self._engines if e.module is module), None)
+        engine = self._find_engine(module)
         if engine is None:
             return super().load_module_state_dict(module, state_dict, strict=strict)
         load_full_model(engine, state_dict, strict)
