@@ -120,9 +120,10 @@ def _stdlib_split(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     return read_split(stdlib_dir(), "*.py", 5.0, max_bytes=max_bytes)
 
 
-def train_gpt(rank: int, world: int, stage: int, options: dict, sizes: dict) -> dict:
+def train_gpt(rank: int, world: int, stage: int, options: dict, sizes: dict, per_node: int = PER_NODE) -> dict:
     """``sizes["steps"]`` steps of a GPT on stdlib bytes (every rank its own batches, the same for
-    every option), then the validation loss over ``sizes["val_batches"]`` fixed batches. Returns the
+    every option), then the validation loss over ``sizes["val_batches"]`` fixed batches, the ranks
+    taken as nodes of ``per_node`` ranks each. Returns the
     final validation loss, the training losses, the seconds per step and the last step's bytes."""
     from zero_strategy import gathered_parameters
     from zero_strategy.models.gpt import GPT
@@ -133,7 +134,7 @@ def train_gpt(rank: int, world: int, stage: int, options: dict, sizes: dict) -> 
     torch.manual_seed(1234)
     model = GPT(n_layer=sizes["layers"], n_embd=sizes["embd"], n_head=sizes["heads"], block_size=seq)
     config = ZeroConfig(**{"stage": stage, "shard_modules": ("Block",), "param_persistence_threshold": 1024, **options})
-    comm = Collectives(ranks_per_node=PER_NODE)
+    comm = Collectives(ranks_per_node=per_node)
     sharder = shard_module(model, config, comm) if stage == 3 else None
     # the main job's recipe (conf/model/gpt.yaml, conf/trainer/default.yaml): AdamW, decay on matrices,
     # 10% warm-up then cosine decay, clipping at 1
