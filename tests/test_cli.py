@@ -95,8 +95,9 @@ def test_resume_from_last_checkpoint(launches, preset_sweep):
 
 
 @pytest.mark.timeout(420)
-def test_each_strategy_preset_trains_on_two_processes_in_a_multirun(preset_sweep):
+def test_each_strategy_preset_trains_on_two_processes_in_a_multirun_as_ddp(preset_sweep):
     sweep, proc = preset_sweep
+    metrics = {}
     for job, (strategy, stage) in enumerate(PRESETS.items()):
         assert job_dir(sweep, strategy) == sweep / str(job)
         assert f"- strategy={strategy}" in (sweep / str(job) / ".hydra" / "overrides.yaml").read_text().splitlines()
@@ -105,6 +106,13 @@ def test_each_strategy_preset_trains_on_two_processes_in_a_multirun(preset_sweep
         if strategy == "zero1":  # each rank holds half of Adam's state; DDP holds all of it
             n = ranks[0]["memory"]["num_params"]
             assert ranks[0]["memory"]["formula"]["optimizer_states"] == 8 * n // 2
+        metrics[strategy] = ranks[0]["metrics"]
+    losses = sorted(k for k in metrics["ddp"] if "loss" in k)
+    assert "val/loss" in losses and len(losses) > 1, metrics["ddp"]
+    for strategy in PRESETS:  # fp32: every preset takes DDP's steps (a skipped or wrong step moves them far more)
+        for key in losses:
+            assert math.isclose(metrics[strategy][key], metrics["ddp"][key], rel_tol=1e-5), \
+                (strategy, key, metrics[strategy][key], metrics["ddp"][key])
     assert not (sweep.parent / "outputs").exists(), "a child rank made a run folder of its own"
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [str(j) for j in range(len(PRESETS))]
     for shown in ("Model-state memory per rank", "Final metrics"):
