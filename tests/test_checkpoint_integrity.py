@@ -1,5 +1,6 @@
 """Checkpoints that say when they are damaged: checksums per part, a validated index, unfinished
-saves refused, files that follow the umask, and zero-consolidate failing with ``error:`` and 2.
+saves refused, files that follow the umask, and zero-consolidate failing with ``error:`` and 2;
+objects a safe load refuses kept beside the safe files, checked, and loaded only when asked.
 
 The fault injection is real: bytes are flipped in a file a 2-rank save wrote, and the load is
 attempted on both ranks as the strategy does it (``on_every_rank``).
@@ -7,6 +8,7 @@ attempted on both ranks as the strategy does it (``on_every_rank``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -20,11 +22,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from zero_strategy.checkpoint import CheckpointError, CheckpointReader, consolidate_checkpoint, is_sharded_checkpoint
+from zero_strategy.checkpoint import (CheckpointError, CheckpointReader, PickledObjectsWarning, consolidate_checkpoint,
+                                      is_sharded_checkpoint, save_sharded)
 from zero_strategy.checkpoint import store
 from zero_strategy.checkpoint.sharded import flat_groups, load_model, load_optimizers, on_every_rank
 from zero_strategy.cli.consolidate import main as consolidate_main
 from zero_strategy.engine import Collectives
+from zero_strategy.frontend.checkpoint import open_sharded
 
 from .distributed import run_distributed
 from .test_checkpoint import _build, _full_params, _load, _save, _train
@@ -290,6 +294,8 @@ BAD_INDEXES = [
     (_set(("files",), {"../../etc/passwd": {"bytes": 1}}), r"files is \['../../etc/passwd'\], expected one file per"),
     (_set(("files", R0, "checksums", W + "@0"), "not hex"), r"\['checksums'\] is .*expected \{key: <16 hex digits>"),
     (_set(("trainer_state",), {"bytes": 3}), r"trainer_state is \{'bytes': 3\}"),
+    (_set(("pickled_objects",), {"bytes": 3}), r"pickled_objects is \{'bytes': 3\}, expected .*'checksum'"),
+    (_set(("pickled_objects",), [3]), r"pickled_objects is \[3\]"),
     (_set(("world_size",), 0), r"world_size is 0, expected a positive integer"),
     (_set(("world_size",), "1"), r"world_size is '1'"),
     (_set(("world_size",), 2), r"files is \['rank_00000.safetensors'\], expected one file per rank of world_size 2"),
@@ -337,3 +343,61 @@ def test_zero_consolidate_refuses_a_directory_as_output_and_a_file_as_input(save
     assert "is a file, not a sharded checkpoint directory" in capsys.readouterr().err
     assert consolidate_main([str(tmp_path / "nowhere"), str(tmp_path / "o.ckpt")]) == 2
     assert "zero-consolidate: error: checkpoint " in capsys.readouterr().err
+
+
+# ---- objects a safe load refuses: beside the safe files, checked, loaded only when asked -------------
+
+
+@pytest.fixture
+def with_pickled(tmp_path) -> Path:
+    model, opt, sharder = _build(2)
+    state = {"global_step": 3, "args": argparse.Namespace(lr=0.1), "optimizer_states": [{}],
+             "hyper_parameters": {"seed": 3, "data_dir": Path("/data"), "sizes": [1, 2]}}
+    save_sharded(tmp_path / "ckpt", state, model, [opt], sharder, Collectives(), 2)
+    return tmp_path / "ckpt"
+
+
+def _open(ckpt: Path, weights_only=None) -> tuple[dict, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, state, saved = open_sharded(ckpt, Collectives(), weights_only=weights_only, opt_in="load(..., opt-in)")
+    return state, [str(w.message) for w in caught if w.category is PickledObjectsWarning]
+
+
+def test_objects_a_safe_load_refuses_load_only_when_asked_and_are_checked(with_pickled, tmp_path):
+    state = torch.load(with_pickled / store.TRAINER_STATE, weights_only=True)  # the main file stays safe
+    assert state["hyper_parameters"] == {"seed": 3, "sizes": [1, 2]} and "args" not in state
+    assert state["zero_checkpoint"]["pickled_objects"] == [["args"], ["hyper_parameters", "data_dir"]]
+    index = json.loads((with_pickled / store.INDEX).read_text())
+    assert index["pickled_objects"] == {"bytes": (with_pickled / store.PICKLED_OBJECTS).stat().st_size,
+                                        "checksum": store.checksum((with_pickled / store.PICKLED_OBJECTS).read_bytes())}
+    state, warned = _open(with_pickled)
+    assert "args" not in state and state["hyper_parameters"] == {"seed": 3, "sizes": [1, 2]}
+    [warning] = warned
+    assert "'args', 'hyper_parameters.data_dir'" in warning and "restore them too with load(..., opt-in)" in warning
+    state, warned = _open(with_pickled, weights_only=False)
+    assert warned == [] and state["args"] == argparse.Namespace(lr=0.1)
+    assert state["hyper_parameters"] == {"seed": 3, "data_dir": Path("/data"), "sizes": [1, 2]}
+    # zero-consolidate leaves them out of its safe file, and says so
+    with pytest.warns(PickledObjectsWarning, match=r"'args', 'hyper_parameters.data_dir'.* left out of"):
+        consolidate_checkpoint(with_pickled, tmp_path / "one.ckpt")
+    assert "args" not in torch.load(tmp_path / "one.ckpt", weights_only=True)
+    # damage is found before anything is unpickled; without the opt-in the file is not even read
+    _flip(with_pickled / store.PICKLED_OBJECTS, (with_pickled / store.PICKLED_OBJECTS).stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=r"pickled_objects\.pt is damaged: its bytes do not match the checksum"):
+        _open(with_pickled, weights_only=False)
+    assert _open(with_pickled)[0]["global_step"] == 3
+    with pytest.raises(CheckpointError, match=r"pickled_objects\.pt is damaged"):
+        CheckpointReader(with_pickled).verify_all()
+    (with_pickled / store.PICKLED_OBJECTS).write_bytes(b"cut")
+    with pytest.raises(CheckpointError, match=r"file .*pickled_objects\.pt has 3 bytes, the index says \d+"):
+        CheckpointReader(with_pickled)
+
+
+def test_what_pickle_cannot_write_fails_the_save_naming_it(tmp_path):
+    model, opt, sharder = _build(2)
+    state = {"callbacks": {"Probe": {"hook": lambda: 0}}}
+    with pytest.raises(CheckpointError, match=r"entry 'callbacks.Probe.hook' \(a function\) can be saved neither in a "
+                                              r"form that loads safely .* nor by pickle"):
+        save_sharded(tmp_path / "ckpt", state, model, [opt], sharder, Collectives(), 2)
+    assert not (tmp_path / "ckpt").exists() and not store.partial_dir(tmp_path / "ckpt").exists()

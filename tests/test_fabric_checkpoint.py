@@ -1,10 +1,14 @@
 """fabric.save / fabric.load with ZeroFabricStrategy, on gloo processes: a sharded checkpoint saved at
 world size 2 and stage 3 (in the background, async_save) continues bit for bit at world size 1 and stage 2; the Trainer and Fabric
-load each other's checkpoints; regular files go both ways between Fabric's DDP and ZeRO."""
+load each other's checkpoints; regular files go both ways between Fabric's DDP and ZeRO; a state holding a
+DataLoader saves (beside the safe files) and resumes as under DDP, the DataLoader restored only with
+weights_only=False."""
 
 from __future__ import annotations
 
 import os
+import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -12,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from zero_strategy import consolidate_checkpoint
+from zero_strategy.checkpoint import PickledObjectsWarning
 
 from .distributed import run_distributed
-from .test_fabric import FP32, Net, assert_same, fabric_for, micro_batch, train, whole, zero
+from .test_fabric import FP32, Net, _message, assert_same, fabric_for, micro_batch, train, whole, zero
 
 
 def _step(fabric, model, optimizer, scheduler, batches) -> list[float]:
@@ -230,3 +235,112 @@ def test_regular_files_go_both_ways_between_fabric_ddp_and_zero(tmp_path):
         assert_same(r["resumed"], r["continued"], **FP32)  # and training goes on as DDP's does
         assert r["file"] and r["note"] == "hi"
         assert_equal_states(r["ddp_read_full"], r["full"])
+
+
+# ---- a state holding a DataLoader: saved as DDP saves it, its main files still safe to load ---------
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    xs, ys = zip(*(micro_batch(step, 0) for step in range(4)))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=4)
+
+
+def _resumed(fabric, path: str, **load) -> tuple[dict, list]:
+    """Load ``path`` into a model built from other weights, then train 2 steps on from it."""
+    model, optimizer, scheduler = _model_and_state(fabric, seed=1)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": None, "step": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(path, state, **load)
+    out = {"loader": type(state["loader"]).__name__, "step": state["step"],
+           "warned": [str(w.message) for w in caught if w.category is PickledObjectsWarning]}
+    rank = fabric.global_rank
+    out["losses"] = [_step(fabric, model, optimizer, scheduler, [micro_batch(step, rank)])[0] for step in (2, 3)]
+    out["params"] = whole(fabric, model)
+    return out, [batch[0].sum().item() for batch in state["loader"]] if state["loader"] is not None else []
+
+
+def _dataloader_in_the_state(rank: int, world_size: int, root: str, stage: int) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    out = {}
+    for name, strategy in (("ddp", lambda: "ddp"), ("zero", lambda: zero(stage))):
+        fabric = fabric_for(strategy(), world_size)
+        model, optimizer, scheduler = _model_and_state(fabric, seed=0)
+        for step in range(2):
+            _step(fabric, model, optimizer, scheduler, [micro_batch(step, rank)])
+        fabric.save(f"{root}/{name}.ckpt", {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                                            "loader": _loader(), "step": 2})  # after training, as scripts do
+        out[name], out[f"{name}_batches"] = _resumed(fabric_for(strategy(), world_size), f"{root}/{name}.ckpt",
+                                                     weights_only=False)  # the file's owner trusts it
+    out["ddp_refused"] = _message(lambda: fabric_for("ddp", world_size).load(f"{root}/ddp.ckpt", {"loader": None}))
+    out["safe"], _ = _resumed(fabric_for(zero(stage), world_size), f"{root}/zero.ckpt")  # no opt-in
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_state_holding_a_dataloader_saves_and_loads_it_only_when_asked(tmp_path, stage):
+    from zero_strategy.checkpoint import store
+
+    results = run_distributed(_dataloader_in_the_state, 2, str(tmp_path), stage)
+    folder = tmp_path / "zero.ckpt"
+    assert sorted(p.name for p in folder.iterdir()) == [store.INDEX, store.PICKLED_OBJECTS, store.rank_file(0),
+                                                        store.rank_file(1), store.TRAINER_STATE]
+    state = torch.load(folder / store.TRAINER_STATE, weights_only=True)  # the main files load safely
+    assert "loader" not in state and state["step"] == 2 and state["zero_checkpoint"]["pickled_objects"] == [["loader"]]
+    with pytest.raises(Exception, match="DataLoader"):  # the object itself needs pickle, as in DDP's file
+        torch.load(folder / store.PICKLED_OBJECTS, weights_only=True)
+    want_batches = [batch[0].sum().item() for batch in _loader()]
+    for r in results:
+        assert "weights_only" in r["ddp_refused"]  # DDP's own file needs the opt-in too (torch >= 2.6)
+        assert r["ddp_batches"] == r["zero_batches"] == want_batches  # restored with weights_only=False
+        assert r["zero"]["loader"] == "DataLoader" and r["zero"]["warned"] == []
+        assert r["zero"]["step"] == r["safe"]["step"] == 2
+        assert_same(r["zero"], r["ddp"], **FP32)  # the resumed run goes on as DDP's resumed run does
+        assert_same(r["safe"], r["zero"], rtol=0, atol=0)  # without the opt-in: all but the loader, the same
+        assert r["safe"]["loader"] == "NoneType"  # kept its value, and said why (below), naming the entry and the opt-in
+    [warning] = results[0]["safe"]["warned"]
+    assert "'loader'" in warning and "fabric.load(path, state, weights_only=False)" in warning
+    assert results[1]["safe"]["warned"] == []  # rank 0 says it once
+
+
+class PathLitNet(LitNet):
+    """Hyper-parameters holding a Path, as scripts' ``save_hyperparameters()`` often do: a safe load refuses it."""
+
+    def __init__(self, seed: int = 0, data_dir: Path = Path("/data")) -> None:
+        super().__init__(seed)
+        self.save_hyperparameters()
+        self.loaded_data_dir = "not loaded"
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        self.loaded_data_dir = repr(checkpoint["hyper_parameters"].get("data_dir", "absent"))
+
+
+def _trainer_state_with_a_path(rank: int, world_size: int, root: str) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    trainer = _trainer(3, world_size, max_steps=2)
+    trainer.fit(PathLitNet(seed=0))
+    trainer.save_checkpoint(f"{root}/trainer.ckpt")  # what ModelCheckpoint calls
+    out = {"saved": {k: v.clone() for k, v in trainer.strategy.full_state_dict().items()}}
+    for name, load in (("safe", {}), ("trusted", {"weights_only": False})):
+        probe, lit = _AtTrainStart(), PathLitNet(seed=1, data_dir=Path("/elsewhere"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _trainer(3, world_size, max_steps=3, callbacks=[probe]).fit(lit, ckpt_path=f"{root}/trainer.ckpt", **load)
+        out[name] = {"weights": probe.weights, "data_dir": lit.loaded_data_dir,
+                     "warned": [str(w.message) for w in caught if w.category is PickledObjectsWarning]}
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_the_trainers_checkpoint_keeps_what_a_safe_load_refuses_beside_it(tmp_path):
+    results = run_distributed(_trainer_state_with_a_path, 2, str(tmp_path))
+    state = torch.load(tmp_path / "trainer.ckpt" / "trainer_state.pt", weights_only=True)
+    assert state["hyper_parameters"] == {"seed": 0}  # the rest of the hyper-parameters stays in the safe file
+    for rank, r in enumerate(results):
+        for name in ("safe", "trusted"):
+            assert_equal_states(r[name]["weights"], r["saved"])  # resumed either way
+        assert r["safe"]["data_dir"] == "'absent'" and r["trusted"]["data_dir"] == "PosixPath('/data')"
+        assert r["trusted"]["warned"] == [] and len(r["safe"]["warned"]) == (rank == 0)
+    warning = results[0]["safe"]["warned"][0]
+    assert "'hyper_parameters.data_dir'" in warning and "ckpt_path=path, weights_only=False" in warning

@@ -348,7 +348,8 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Any]] = None) -> None:
         """A sharded checkpoint directory, every rank writing its pieces (``state_dict_type="full"``: one
-        file from rank 0); the model, its optimizers and every other entry of ``state``. A collective."""
+        file from rank 0); the model, its optimizers and every other entry of ``state`` (what a safe load
+        refuses, such as a DataLoader, beside the rest: see [Note: pickled objects]). A collective."""
         if storage_options is not None:
             raise TypeError(f"fabric.save(..., storage_options={storage_options!r}): ZeroFabricStrategy writes its "
                             "checkpoints itself, without a CheckpointIO plugin; drop the argument.")
@@ -365,7 +366,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore ``state`` from a checkpoint this package wrote (here, by the Trainer, or by ``initialize``),
         a DeepSpeed one, or a regular file, at any world size and stage; returns what ``state`` did not ask
-        for. A collective."""
+        for. Objects only pickle loads come back with ``weights_only=False`` alone. A collective."""
         path = Path(self.broadcast(str(path)))
         if isinstance(state, nn.Module):  # fabric.load_raw(path, model): a file of the model's state dict
             return self._load_raw_module(path, state, strict, weights_only)

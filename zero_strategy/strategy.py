@@ -358,15 +358,17 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory (any world size and stage; also one that ZeroFabricStrategy or ``initialize``
         wrote), a DeepSpeed checkpoint directory, or a regular file, never unpickling arbitrary objects
-        unless ``weights_only=False`` is passed for a file. A checkpoint that fails to open on any rank
-        fails on every rank."""
+        unless ``weights_only=False`` is passed (for a directory: the objects saved beside its state, see
+        [Note: pickled objects]). A checkpoint that fails to open on any rank fails on every rank."""
         if is_deepspeed_checkpoint(checkpoint_path):  # DeepSpeed's (or Lightning's DeepSpeedStrategy's) directory
             checkpoint = read_deepspeed(checkpoint_path, self.comm)
             assert self.lightning_module is not None  # DeepSpeed trained the bare model: names may lack a prefix
             return fit_to_module(checkpoint, list(self.lightning_module.state_dict(keep_vars=True)))
         if not is_sharded_checkpoint(checkpoint_path) and Path(checkpoint_path).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
-        reader, checkpoint, saved = open_sharded(checkpoint_path, self.comm, self.verify_checkpoints, weights_only)
+        reader, checkpoint, saved = open_sharded(  # objects only pickle loads: see [Note: pickled objects]
+            checkpoint_path, self.comm, self.verify_checkpoints, weights_only,
+            "trainer.fit(model, ckpt_path=path, weights_only=False) (validate, test and predict take it too)")
         checkpoint["state_dict"] = {}  # loaded from the rank files by load_model_state_dict
         if saved["optimizers"] is not None:
             checkpoint["optimizer_states"] = [{} for _ in saved["optimizers"]]
@@ -477,3 +479,4 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         (``zero_strategy.STRATEGY_NAMES``) with this class; safe to call more than once. ``import
         zero_strategy`` does it already (see [Note: registering with Lightning lazily])."""
         register_names(strategy_registry, cls, cls.__name__)
+

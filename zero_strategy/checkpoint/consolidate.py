@@ -8,6 +8,7 @@ plain ``open()`` creates files, with the mode the umask gives.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,6 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from .files import atomic_write
+from .format import PICKLED_OBJECTS, PickledObjectsWarning
+from .pickled import dotted
 from .sharded import StoredTensor, _best_source, optim_name, state_source, torch_layout
 from .store import CheckpointError, CheckpointReader
 
@@ -72,6 +75,11 @@ def consolidate_checkpoint(ckpt_dir: Any, out_path: Any, safetensors_path: Any =
     if not isinstance(saved, dict):
         raise CheckpointError(f"{reader.path} has no zero_checkpoint entry in its trainer state: it was not written "
                               "by ZeroStrategy.")
+    left_out = saved.get("pickled_objects")
+    if left_out:  # see [Note: pickled objects] in checkpoint/pickled.py
+        warnings.warn(f"{reader.path} holds objects that only full unpickling loads ({', '.join(map(dotted, left_out))}"
+                      f", in its {PICKLED_OBJECTS}); they are left out of {out_path}, which loads with "
+                      "torch.load(weights_only=True).", PickledObjectsWarning, stacklevel=2)
     state_dict = full_state_dict(reader, saved)
     checkpoint = {**state, "state_dict": state_dict}
     optimizer_states = None if weights_only else full_optimizer_states(reader, saved)

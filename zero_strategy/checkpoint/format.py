@@ -13,6 +13,7 @@ import xxhash
 FORMAT = "zero_strategy.sharded/1"  # checksums were added without a new format: older readers ignore them
 INDEX = "index.json"
 TRAINER_STATE = "trainer_state.pt"
+PICKLED_OBJECTS = "pickled_objects.pt"  # see [Note: pickled objects] in checkpoint/pickled.py
 
 # Why xxh3_64 (the xxhash package, a dependency) and not the standard library: measured on this
 # 2-core machine (a 64 MiB buffer, best of 5), zlib.crc32 costs 0.25-0.49 s/GiB, adler32 0.30,
@@ -88,3 +89,8 @@ class CheckpointError(ValueError):
 
 class UnverifiedCheckpointWarning(UserWarning):
     """A checkpoint without checksums (written by an earlier version) is loaded unverified."""
+
+
+class PickledObjectsWarning(UserWarning):
+    """A checkpoint's objects that only full unpickling loads were not restored (see [Note: pickled
+    objects] in checkpoint/pickled.py): the load was not given ``weights_only=False``."""

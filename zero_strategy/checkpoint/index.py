@@ -29,7 +29,7 @@ def _shown(value: Any) -> str:
 def validate_index(index: Any, where: Path) -> None:
     """Raise a ``CheckpointError`` naming the field and its value unless every field the reader uses
     is well formed: format, world_size, shard_group_size, files (names, byte sizes, checksums),
-    trainer_state, and each tensor's shape, dtype and parts (a known file, a string key, a range
+    trainer_state, pickled_objects, and each tensor's shape, dtype and parts (a known file, a string key, a range
     inside the tensor)."""
 
     def bad(field: str, value: Any, expected: str) -> CheckpointError:
@@ -66,6 +66,10 @@ def validate_index(index: Any, where: Path) -> None:
     if algorithm and (not isinstance(trainer, dict) or not _is_count(trainer.get("bytes"))
                       or not _is_checksum(trainer.get("checksum"))):
         raise bad("trainer_state", trainer, "{'bytes': <a non-negative integer>, 'checksum': <16 hex digits>}")
+    pickled = index.get("pickled_objects")  # present when the state held such objects: see checkpoint/pickled.py
+    if pickled is not None and (not isinstance(pickled, dict) or not _is_count(pickled.get("bytes"))
+                                or (algorithm and not _is_checksum(pickled.get("checksum")))):
+        raise bad("pickled_objects", pickled, "{'bytes': <a non-negative integer>, 'checksum': <16 hex digits>}")
     tensors = index.get("tensors")
     if not isinstance(tensors, dict):
         raise bad("tensors", tensors, "a JSON object of tensor name -> shape, dtype, parts")

@@ -42,7 +42,9 @@ from ..engine.optim.optimizer import ZeroOptimizer
 from ..engine.params.flat_parameters import FlatParameters
 from ..engine.optim.state import is_elementwise
 from . import store
+from .files import write_durably
 from .hf_plan import hf_record
+from .pickled import PickledEntries, pickled_bytes, split_pickled
 from .store import CheckpointError, CheckpointReader, RankWriter
 
 if TYPE_CHECKING:
@@ -234,6 +236,7 @@ class _Snapshot:
     stage: int
     checksums: bool
     shard_group_size: Optional[int] = None  # hybrid sharding's K: the layout that wrote it
+    pickled: bytes = b""  # rank 0: pickled_objects.pt, the objects a safe load refuses (checkpoint/pickled.py)
 
     def write(self, comm: Collectives) -> None:
         """Write the rank file, agree over ``comm`` that every rank did, and commit (rank 0). A collective
@@ -279,15 +282,23 @@ def _snapshot(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimiz
     with_optimizers = "optimizer_states" in checkpoint
     layout = shard_group_size(optimizers, sharder)
     optimizers = list(optimizers) if with_optimizers else []
+    # the front end's state, which rank 0 alone writes; what a safe load refuses goes beside it
+    state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    pickled: PickledEntries = {}
     status = ""
-    if comm.rank == 0:
+    if comm.rank != 0:
+        state = {}  # written by rank 0 alone: nothing to copy here
+    else:
         try:
+            state, pickled = split_pickled(state)  # see [Note: pickled objects] in checkpoint/pickled.py
             store.prepare_partial(path)
+        except CheckpointError as err:
+            status = f"saving the checkpoint {path}: {err}"
         except OSError as err:
-            status = _error(err)
+            status = f"cannot create the checkpoint directory next to {path}: {_error(err)}"
     status = comm.broadcast_object(status)
     if status:
-        raise CheckpointError(f"cannot create the checkpoint directory next to {path}: {status}")
+        raise CheckpointError(status)
     writer, record = None, _RankRecord()
     try:
         writer, record = _collect(comm.rank, module, optimizers, sharder, checksums, buffers)
@@ -300,16 +311,18 @@ def _snapshot(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimiz
             model_keys[key] = MODEL + (names[value] if isinstance(value, nn.Parameter) else key)
         else:
             extra[key] = value
-    state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     param_groups = [[{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
                      for g in zopt.param_groups] for zopt in optimizers]
     if buffers is not None:  # the state outlives this call: training may change what it refers to
         state, extra, param_groups = copy.deepcopy((state, extra, param_groups))
     state["zero_checkpoint"] = {"model_keys": model_keys, "model_extra_state": extra}
+    if pickled:
+        state["zero_checkpoint"]["pickled_objects"] = [list(p) for p in pickled]
     export_plan = hf_record(module)  # what zero-consolidate --hf writes: see checkpoint/hf_plan.py
     if export_plan is not None:
         state["zero_checkpoint"]["hf_export"] = copy.deepcopy(export_plan) if buffers is not None else export_plan
-    return _Snapshot(path, state, with_optimizers, param_groups, writer, record, stage, checksums, layout)
+    return _Snapshot(path, state, with_optimizers, param_groups, writer, record, stage, checksums, layout,
+                     pickled_bytes(pickled) if pickled else b"")  # pickled now: the objects may change later
 
 
 def _finish(snapshot: _Snapshot, records: list[_RankRecord]) -> None:
@@ -330,6 +343,11 @@ def _finish(snapshot: _Snapshot, records: list[_RankRecord]) -> None:
     index = {"format": store.FORMAT, "world_size": len(records), "stage": snapshot.stage,
              "shard_group_size": snapshot.shard_group_size,
              "files": {rec.file: {"bytes": rec.bytes} for rec in records}, "tensors": tensors}
+    if snapshot.pickled:  # see [Note: pickled objects] in checkpoint/pickled.py
+        write_durably(tmp / store.PICKLED_OBJECTS, snapshot.pickled)
+        index["pickled_objects"] = {"bytes": len(snapshot.pickled)}
+        if snapshot.checksums:
+            index["pickled_objects"]["checksum"] = store.checksum(snapshot.pickled)
     if snapshot.checksums:  # see [Note: checksums]
         for rec in records:
             index["files"][rec.file]["checksums"] = rec.checksums

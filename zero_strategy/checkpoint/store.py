@@ -14,6 +14,9 @@ A checkpoint is a directory (Lightning's ``*.ckpt`` name, as DeepSpeed's are)::
     trainer_state.pt         rank 0: Lightning's loops, callbacks, schedulers, loss scale,
                              hyper-parameters, and the optimizers' non-tensor state, loaded
                              with torch.load(weights_only=True): never arbitrary unpickling
+    pickled_objects.pt       rank 0, only when the state holds objects such a load refuses:
+                             those, loaded only with weights_only=False (see [Note: pickled
+                             objects] in checkpoint/pickled.py)
     rank_00000.safetensors   what rank 0 owns: its pieces of the weights, master weights and
     rank_00001.safetensors   optimizer state, each a range of a flattened full tensor
 
@@ -65,14 +68,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .files import write_durably
-from .format import (_SAFETENSORS_CODE, CHECKSUM, DTYPES, FORMAT, INDEX, TRAINER_STATE, CheckpointError,
-                     UnverifiedCheckpointWarning, checksum, checksummer, is_partial, is_sharded_checkpoint, old_dir,
-                     partial_dir, rank_file)
+from .format import (_SAFETENSORS_CODE, CHECKSUM, DTYPES, FORMAT, INDEX, PICKLED_OBJECTS, TRAINER_STATE,
+                     CheckpointError, UnverifiedCheckpointWarning, checksum, checksummer, is_partial,
+                     is_sharded_checkpoint, old_dir, partial_dir, rank_file)
 from .index import validate_index
 
-__all__ = ["CHECKSUM", "CheckpointError", "CheckpointReader", "DTYPES", "FORMAT", "INDEX", "Part", "RankWriter",
-           "TRAINER_STATE", "UnverifiedCheckpointWarning", "commit", "discard", "is_partial", "is_sharded_checkpoint",
-           "old_dir", "partial_dir", "prepare_partial", "rank_file", "write_index", "write_trainer_state"]
+__all__ = ["CHECKSUM", "CheckpointError", "CheckpointReader", "DTYPES", "FORMAT", "INDEX", "PICKLED_OBJECTS", "Part",
+           "RankWriter", "TRAINER_STATE", "UnverifiedCheckpointWarning", "commit", "discard", "is_partial",
+           "is_sharded_checkpoint", "old_dir", "partial_dir", "prepare_partial", "rank_file", "write_index",
+           "write_trainer_state"]
 
 
 # ---- writing -------------------------------------------------------------------------------
@@ -269,11 +273,12 @@ class CheckpointReader:
                                   "(a disk or copy error); load an earlier checkpoint.") from err
         validate_index(self.index, index_file)
         sized = dict(self.index["files"])
-        if "trainer_state" in self.index:
-            sized[TRAINER_STATE] = self.index["trainer_state"]
+        for name, entry in _SIDE_FILES.items():
+            if entry in self.index:
+                sized[name] = self.index[entry]
         for name, info in sized.items():
             file = self.path / name
-            kind = "file" if name == TRAINER_STATE else "shard file"
+            kind = "file" if name in _SIDE_FILES else "shard file"
             if not file.is_file():
                 raise CheckpointError(f"{kind} {file} is missing: the checkpoint is incomplete.")
             size = file.stat().st_size
@@ -308,12 +313,14 @@ class CheckpointReader:
     def _checking(self) -> bool:
         return self.verify and self.has_checksums
 
-    def _trainer_state_bytes(self) -> bytes:
-        file = self.path / TRAINER_STATE
-        if not file.is_file():
+    def checked_bytes(self, name: str = TRAINER_STATE) -> bytes:
+        """The bytes of rank 0's file ``name`` (trainer_state.pt, pickled_objects.pt), checked against the
+        checksum the index records for it."""
+        file = self.path / name
+        if not file.is_file() or (name != TRAINER_STATE and _SIDE_FILES[name] not in self.index):
             raise CheckpointError(f"{file} is missing: the checkpoint is incomplete.")
         data = file.read_bytes()
-        if self._checking and checksum(data) != self.index["trainer_state"]["checksum"]:
+        if self._checking and checksum(data) != self.index[_SIDE_FILES[name]]["checksum"]:
             raise CheckpointError(f"{file} is damaged: its bytes do not match the checksum the save recorded. "
                                   f"{_DAMAGED}")
         return data
@@ -322,7 +329,7 @@ class CheckpointReader:
         """Lightning's state, unpickled with ``weights_only=True`` (tensors, containers, numbers only)
         unless ``weights_only=False`` is passed for a checkpoint you trust (one whose hyper-parameters hold
         a module, say), as ``torch.load`` and Lightning's own loading take it."""
-        data = self._trainer_state_bytes()
+        data = self.checked_bytes()
         safe = True if weights_only is None else weights_only
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=safe)
@@ -408,12 +415,15 @@ class CheckpointReader:
         ``verify=False`` or without checksums): what zero-consolidate does before writing anything."""
         if not self._checking:
             return
-        self._trainer_state_bytes()
+        for name, entry in _SIDE_FILES.items():
+            if entry in self.index:
+                self.checked_bytes(name)
         for name, info in self.tensors.items():
             for part in info["parts"]:
                 if (part[0], part[1]) not in self._verified:
                     self._read_part(name, part, part[2], part[2])
 
 
+_SIDE_FILES = {TRAINER_STATE: "trainer_state", PICKLED_OBJECTS: "pickled_objects"}  # rank 0's files: index entry
 _DAMAGED = ("The file was changed after the save wrote it (a disk, copy or transfer error); resume from an earlier "
             "checkpoint. To load it anyway, damage included, pass verify=False (zero-consolidate --no-verify).")

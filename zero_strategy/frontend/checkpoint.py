@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional, Sequence
@@ -33,6 +34,8 @@ from torch import nn
 
 from ..checkpoint import (CheckpointError, CheckpointReader, align_optimizer_state, load_model, load_optimizers,
                           read_deepspeed_checkpoint, save_sharded)
+from ..checkpoint.format import PICKLED_OBJECTS, PickledObjectsWarning
+from ..checkpoint.pickled import dotted, load_pickled, merge_pickled
 from ..checkpoint.sharded import masters_from_state_dict, on_every_rank, parameter_names
 from ..engine import Collectives
 from ..engine.params.flat_parameters import gathered_parameters, owners_of
@@ -104,17 +107,25 @@ def _modules_in(value: Any, seen: set[int]) -> Iterator[nn.Module]:
 # ---- open ----------------------------------------------------------------------------------
 
 
-def open_sharded(path: Any, comm: Collectives, verify: bool = True,
-                 weights_only: Optional[bool] = None) -> tuple[CheckpointReader, dict, dict]:
+def open_sharded(path: Any, comm: Collectives, verify: bool = True, weights_only: Optional[bool] = None,
+                 opt_in: str = "weights_only=False") -> tuple[CheckpointReader, dict, dict]:
     """A sharded checkpoint directory: its reader, the front end's state (``trainer_state.pt`` without
-    the engine's record, unpickled safely unless ``weights_only=False``) and that record. Raises on
-    every rank, naming what is wrong, for anything else (a missing or damaged file, a partial save,
-    another package's directory)."""
+    the engine's record) and that record. Raises on every rank, naming what is wrong, for anything
+    else (a missing or damaged file, a partial save, another package's directory).
+
+    Objects a safe load refuses, saved beside the state (see [Note: pickled objects] in
+    checkpoint/pickled.py), are put back into it only with ``weights_only=False``; otherwise rank 0
+    warns, naming them and ``opt_in`` (the call that restores them), and ``saved["not_restored"]``
+    lists their key paths."""
     opened: dict[str, Any] = {}
+    restore = weights_only is False
 
     def open_() -> None:
         reader = CheckpointReader(path, verify=verify)
         opened.update(reader=reader, state=reader.trainer_state(weights_only))
+        paths = [tuple(p) for p in opened["state"].get(ZERO_RECORD, {}).get("pickled_objects", [])]
+        opened["pickled"] = load_pickled(reader.checked_bytes(PICKLED_OBJECTS)) if paths and restore else {}
+        opened["paths"] = paths
 
     on_every_rank(comm, open_)
     state = opened["state"]
@@ -122,6 +133,14 @@ def open_sharded(path: Any, comm: Collectives, verify: bool = True,
     if saved is None:
         raise CheckpointError(f"{path} has no {ZERO_RECORD} entry in its trainer state: it was not written by this "
                               "package (ZeroStrategy, ZeroFabricStrategy or initialize's save_checkpoint).")
+    merge_pickled(state, opened["pickled"])
+    saved["not_restored"] = [] if restore else opened["paths"]
+    if saved["not_restored"] and comm.rank == 0:
+        names = ", ".join(dotted(p) for p in saved["not_restored"])
+        warnings.warn(f"{path} holds objects that only full unpickling loads, saved beside its state in "
+                      f"{PICKLED_OBJECTS}: {names}. They were not restored (a safe load never unpickles them). If "
+                      f"you trust this checkpoint, restore them too with {opt_in}.", PickledObjectsWarning,
+                      stacklevel=3)
     return opened["reader"], state, saved
 
 

@@ -5,12 +5,15 @@
 In a sharded checkpoint the model under its name is the engine's weights and the optimizers are
 their pieces (see [Note: one checkpoint format for every front end]); every other entry goes into
 ``trainer_state.pt`` under its own name, as its ``state_dict()`` when it has one (a scheduler) or as
-it is, with ``NAMES_KEY`` recording the names of the model and the optimizers (in the order they
+it is (an object a safe load refuses, such as a ``DataLoader``, beside it in ``pickled_objects.pt``,
+restored only by ``fabric.load(..., weights_only=False)``: see [Note: pickled objects] in
+checkpoint/pickled.py), with ``NAMES_KEY`` recording the names of the model and the optimizers (in the order they
 were saved) and ``STATE_KEY`` the loss scaler. A load maps the checkpoint's optimizers to the
 state's by name; in a checkpoint without that record (the Trainer's) by the state's order. With
 ``full`` the same names map to whole state dicts in one file that rank 0 writes (a regular
-checkpoint, as DDP's), and a regular file from elsewhere loads by the same names, or by
-Lightning's ``state_dict`` and ``optimizer_states``.
+checkpoint, as DDP's, pickling whatever the state holds as DDP does: loading it needs
+``weights_only=False`` then, as DDP's file does), and a regular file from elsewhere loads by the same
+names, or by Lightning's ``state_dict`` and ``optimizer_states``.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from ..checkpoint import CheckpointError, is_deepspeed_checkpoint, is_sharded_ch
 from ..checkpoint.deepspeed import fit_to_module
 from ..checkpoint.files import atomic_write
 from ..engine import ZeroOptimizer
-from .checkpoint import (ZERO_RECORD, check_safe_to_load, deepspeed_client_state, deepspeed_optimizer_state,
-                         load_full_model, load_full_optimizers, load_sharded_model, load_sharded_optimizers,
-                         open_sharded, read_deepspeed, read_file, save_sharded_model)
+from .checkpoint import (ZERO_RECORD, deepspeed_client_state, deepspeed_optimizer_state, load_full_model,
+                         load_full_optimizers, load_sharded_model, load_sharded_optimizers, open_sharded,
+                         read_deepspeed, read_file, save_sharded_model)
 from .precision import STATE_KEY
 from .setup import EngineModel
 
@@ -101,7 +104,6 @@ def save_named_state(path: Path, state: dict[str, Any], engines: Sequence[Engine
     checkpoint: dict[str, Any] = {k: v.state_dict() if _stateful(v) else v for k, v in named.extras.items()}
     checkpoint[NAMES_KEY] = {"module": named.module_key, "optimizers": named.optimizer_keys}
     checkpoint[STATE_KEY] = named.model.precision.state_dict()
-    check_safe_to_load(checkpoint, call)
     if named.optimizer_keys:
         checkpoint["optimizer_states"] = []  # the flag for save_sharded: write the optimizers' pieces too
     save_sharded_model(path, checkpoint, named.with_optimizers(named.optimizer_keys))
@@ -148,8 +150,9 @@ def load_named_state(path: Path, state: dict[str, Any], engines: Sequence[Engine
     ``state``. A collective."""
     named = split_state(state, engines, call)
     model = named.model
+    held_back: set = set()  # entries the checkpoint holds but did not restore: see [Note: pickled objects]
     if is_sharded_checkpoint(path):
-        rest = _load_sharded(path, named, call, strict, verify, weights_only)
+        rest, held_back = _load_sharded(path, named, call, strict, verify, weights_only)
     elif is_deepspeed_checkpoint(path):
         checkpoint = fit_to_module(read_deepspeed(path, model.comm), list(model.module.state_dict(keep_vars=True)))
         load_full_model(model, checkpoint["state_dict"], strict)
@@ -163,7 +166,7 @@ def load_named_state(path: Path, state: dict[str, Any], engines: Sequence[Engine
     else:
         raise FileNotFoundError(f"{call}: {path} is not a checkpoint: neither a sharded checkpoint directory (with "
                                 "index.json), a DeepSpeed checkpoint directory, nor a file.")
-    missing = [key for key in named.extras if key not in rest]
+    missing = [key for key in named.extras if key not in rest and key not in held_back]
     if strict and missing:
         raise KeyError(f"{call}: the state asks for {missing}, which the checkpoint at {path} does not hold (it holds "
                        f"{sorted(rest)}); pass strict=False to load the rest.")
@@ -178,9 +181,12 @@ def load_named_state(path: Path, state: dict[str, Any], engines: Sequence[Engine
 
 
 def _load_sharded(path: Path, named: NamedState, call: str, strict: bool, verify: bool,
-                  weights_only: Optional[bool]) -> dict[str, Any]:
+                  weights_only: Optional[bool]) -> tuple[dict[str, Any], set]:
+    """The checkpoint's entries beyond the model and optimizers, and the top-level keys of those not
+    restored (held back without ``weights_only=False``: see [Note: pickled objects])."""
     model = named.model
-    reader, rest, saved = open_sharded(path, model.comm, verify, weights_only)
+    reader, rest, saved = open_sharded(path, model.comm, verify, weights_only,
+                                       f"{call}(path, state, weights_only=False)")
     names = rest.pop(NAMES_KEY, None)
     precision = rest.pop(STATE_KEY, {})
     load_sharded_model(model, reader, saved, strict)
@@ -192,7 +198,7 @@ def _load_sharded(path: Path, named: NamedState, call: str, strict: bool, verify
                                   "names (or none, to load the model alone).")
         load_sharded_optimizers(named.with_optimizers(order), reader, saved)
         model.precision.load_state_dict(precision)
-    return rest
+    return rest, {p[0] for p in saved["not_restored"] if p[0] not in rest}
 
 
 def _load_file(path: Path, named: NamedState, call: str, strict: bool, weights_only: Optional[bool]) -> dict[str, Any]:
