@@ -181,3 +181,86 @@ def test_the_apps_comm_stats_callback_refuses_an_unknown_key_at_construction():
     assert CommStats(["total", "inter_node"]).keys == ("total", "inter_node")
     with pytest.raises(ValueError, match=r"\['inter_nodes'\] are not keys of comm_stats\(\); choose among"):
         CommStats(["total", "inter_nodes"])
+
+
+# ---- gradients of some modules reduced in bf16 (DeepSpeed's lower_precision_safe_modules) ----------
+
+
+class _Mixed(nn.Module):
+    """Linear layers (reduced in bf16), a LayerNorm and a bare parameter (in fp32); a Linear subclass,
+    which an exact class match leaves in fp32, as DeepSpeed's does."""
+
+    class Wider(nn.Linear):
+        pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 32), nn.LayerNorm(32), _Mixed.Wider(32, 4)
+        self.fc3 = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.fc2(torch.tanh(self.norm(self.fc1(x))))) * self.scale
+
+
+def _reduced_in_bf16(rank: int, world_size: int) -> dict:
+    from zero_strategy import gathered_parameters
+    from zero_strategy.engine import ZeroOptimizer
+
+    g = torch.Generator().manual_seed(10 + rank)
+    x, y = torch.randn(16, 8, generator=g) * 3, torch.randn(16, 4, generator=g)
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        reference, model = _Mixed(), _Mixed()
+        model.load_state_dict(reference.state_dict())
+        # every rank's own gradient, then the sum each reduction should give (SGD with lr 1: the update is it)
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        grads = {n: p.grad for n, p in reference.named_parameters()}
+        every = {n: [torch.empty_like(t) for _ in range(world_size)] for n, t in grads.items()}
+        for n, t in grads.items():
+            dist.all_gather(every[n], t)
+        low = {"fc1.weight", "fc1.bias", "fc3.weight", "fc3.bias"}
+        want = {}
+        for n, parts in every.items():
+            if n in low:  # each divided and rounded to bf16, their sum rounded again
+                total = sum(p.div(world_size).bfloat16().float() for p in parts).bfloat16().float()
+            else:
+                total = sum(p.div(world_size) for p in parts)
+            want[n] = dict(reference.named_parameters())[n].detach() - total
+        config = ZeroConfig(stage=stage, shard_modules=("Linear",), param_persistence_threshold=0, bucket_cap_mb=1e-3,
+                            low_precision_reduce_modules=(nn.Linear,), low_precision_reduce_dtype=torch.bfloat16)
+        user = torch.optim.SGD(model.parameters(), lr=1.0)
+        opt = ZeroOptimizer(user, config, sharder=shard_module(model, config, optimizers=[user]))  # the front ends' way
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        with gathered_parameters(model):
+            got = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[stage] = {"equal": sorted(n for n in want if torch.equal(got[n], want[n])),
+                      "reduce_dtypes": sorted({str(grp.reduce_dtype) for grp in opt.groups})}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_named_modules_gradients_are_reduced_in_bf16_and_the_rest_in_fp32():
+    names = sorted(n for n, _ in _Mixed().named_parameters())
+    for result in run_distributed(_reduced_in_bf16, 2):
+        for stage, got in result.items():
+            assert got["equal"] == names, (stage, sorted(set(names) - set(got["equal"])))  # each param bit for bit
+            assert got["reduce_dtypes"] == ["None", "torch.bfloat16"], stage
+
+
+def test_low_precision_reductions_are_refused_where_they_cannot_apply():
+    from zero_strategy.engine import FlatParameters
+
+    with pytest.raises(ValueError, match=r"low_precision_reduce_dtype=torch.float32 must be torch.bfloat16"):
+        ZeroConfig(low_precision_reduce_modules=("Linear",), low_precision_reduce_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"low_precision_reduce_modules holds \[3\]"):
+        ZeroConfig(low_precision_reduce_modules=(3,))
+    config = ZeroConfig(stage=2, low_precision_reduce_modules=("Linear",))
+    with pytest.raises(ValueError, match=r"without low_precision_reduce_dtype: give the dtype"):
+        shard_module(_model(), config)
+    model = _model()
+    with pytest.raises(ValueError, match=r"names module classes: build the flat groups over the module"):
+        FlatParameters(list(model.parameters()), ZeroConfig(stage=2, low_precision_reduce_modules=("Linear",),
+                                                            low_precision_reduce_dtype=torch.bfloat16), Collectives())

@@ -656,16 +656,61 @@ def test_torch_autocast_section_is_read_for_initialize_only():
     settings = map_deepspeed_config({"torch_autocast": section}, front_end="initialize")
     assert settings.autocast.dtype == torch.bfloat16 and settings.precision is None
     assert settings.autocast.lower_precision_safe_modules == ("torch.nn.modules.linear.Linear",)
-    assert any("reduced in fp32 here" in note for note in settings.notes)
-    assert map_deepspeed_config({"torch_autocast": {"enabled": True}}, front_end="initialize").autocast.dtype is None
+    assert settings.strategy["low_precision_reduce_modules"] == (torch.nn.Linear,)  # reduced in bf16, the rest fp32
+    assert "the gradients of Linear parameters are reduced in the autocast dtype" in settings.log_summary()
+    default = map_deepspeed_config({"torch_autocast": {"enabled": True}}, front_end="initialize")
+    assert default.autocast.dtype is None and default.strategy["low_precision_reduce_modules"] == (
+        torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)  # DeepSpeed's default list
+    none = map_deepspeed_config({"torch_autocast": {**section, "lower_precision_safe_modules": []}},
+                                front_end="initialize")
+    assert "low_precision_reduce_modules" not in none.strategy  # every gradient in fp32
     off = map_deepspeed_config({"torch_autocast": {"enabled": False, "dtype": "fp16"}})
     assert off.autocast is None and off.ignored["torch_autocast"] == "disabled"
-    bad = {"torch_autocast": {"enabled": True, "dtype": "fp32", "lower_precision_safe_modules": ["torch.nn.Nope"]},
-           "bf16": {"enabled": True}}
+    bad = {"torch_autocast": {"enabled": True, "dtype": "fp32", "lower_precision_safe_modules": ["torch.nn.Nope"]}}
     with pytest.raises(DeepSpeedConfigError) as refused:
         map_deepspeed_config(bad, front_end="initialize")
-    for fragment in ("torch_autocast with bf16.enabled", "torch_autocast.dtype='fp32'", "'torch.nn.Nope' does not import"):
+    for fragment in ("torch_autocast.dtype='fp32'", "'torch.nn.Nope' does not import"):
         assert fragment in str(refused.value)
+
+
+# DeepSpeedExamples' training/bf16_master_weight/configs/bf16_full.json, as its README gives it (the batch
+# and optimizer keys, which the README leaves out, as tests/test_deepspeed_scripts.py runs it)
+BF16_FULL = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+             "zero_optimization": {"stage": 3}, "torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_with_torch_autocast_is_bf16_weights_under_autocast(stage):
+    from zero_strategy.deepspeed.autocast import autocast_kwargs
+
+    config = {**BF16_FULL, "zero_optimization": {"stage": stage}}
+    settings = map_deepspeed_config(config, front_end="initialize")
+    assert settings.precision == "bf16-mixed" and settings.autocast.dtype == torch.bfloat16
+    assert dict(settings.strategy) == {"stage": stage, "master_weights_dtype": "bf16", "optimizer_state_dtype": "bf16",
+                                       "optimizer_state_min_numel": 0}  # every state in bf16, as DeepSpeed keeps them
+    assert "every gradient is bf16 already" in settings.log_summary()  # so lower_precision_safe_modules: no effect
+    assert autocast_kwargs(settings.autocast, torch.device("cpu"), settings.precision) == {
+        "autocast_dtype": torch.bfloat16}
+    fp32_masters = map_deepspeed_config({**config, "bf16": {"enabled": True}}, front_end="initialize")
+    assert dict(fp32_masters.strategy) == {"stage": stage} and fp32_masters.precision == "bf16-mixed"
+
+
+def test_low_precision_forwards_over_other_weights_are_refused_naming_the_keys():
+    from zero_strategy.deepspeed.autocast import autocast_kwargs
+
+    with pytest.raises(DeepSpeedConfigError, match=r"torch_autocast with fp16.enabled: .*Type fp16 is not supported"):
+        map_deepspeed_config({**BF16_FULL, "bf16": {"enabled": False}, "fp16": {"enabled": True}},
+                             front_end="initialize")
+    with pytest.raises(DeepSpeedConfigError, match=r"torch_autocast.dtype='fp16' with bf16.enabled: an fp16 forward"):
+        map_deepspeed_config({**BF16_FULL, "torch_autocast": {"enabled": True, "dtype": "fp16"}},
+                             front_end="initialize")
+    no_dtype = map_deepspeed_config({**BF16_FULL, "torch_autocast": {"enabled": True}}, front_end="initialize")
+    assert autocast_kwargs(no_dtype.autocast, torch.device("cpu"), "bf16-mixed") == {"autocast_dtype": torch.bfloat16}
+    with pytest.raises(DeepSpeedConfigError, match=r"no dtype, which on cuda is torch's default, torch.float16: .*set "
+                                                   r"torch_autocast.dtype to \"bfloat16\""):
+        autocast_kwargs(no_dtype.autocast, torch.device("cuda"), "bf16-mixed")
+    with pytest.raises(DeepSpeedConfigError, match=r"torch_autocast \(enabled\): ZeroStrategy takes its precision"):
+        map_deepspeed_config(BF16_FULL)
 
 
 def test_every_key_of_deepspeeds_schema_is_accounted_for(deepspeed):

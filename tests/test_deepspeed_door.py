@@ -2,8 +2,8 @@
 ``initialize``, the accelerator, ``deepspeed.comm``, PyTorch-style backward (one division per path,
 fp16 refused without the loss scale), ``zero.Init`` / ``GatheredParameters``, ``save_16bit_model``,
 ``utils.zero_to_fp32`` (on this package's checkpoints, and on DeepSpeed's, against DeepSpeed's own
-reading), ``ops.adam``, ``checkpointing``, the ``moe`` / ``pipe`` refusals and ``zero-launch``'s
-command lines. The distributed parts share one call on the 2-rank worker pool.
+reading), ``ops.adam``, ``checkpointing``, the ``moe`` / ``pipe`` refusals, ``zero-launch``'s
+command lines, and DeepSpeedExamples' bf16_full config (bf16 weights under ``torch_autocast``). The distributed parts share one call on the 2-rank worker pool.
 """
 
 from __future__ import annotations
@@ -265,6 +265,36 @@ def _fp16_autocast(rank: int) -> dict:
             "scale": engine.precision.scaler.scale, "moved": not torch.equal(before, model.fc1.weight.detach())}
 
 
+class Probe(Regressor):
+    """Its loss without ``.float()``: under autocast mse_loss computes in fp32 whatever the logits' dtype."""
+
+    def forward(self, x, y):
+        logits = self.fc2(torch.tanh(self.fc1(x)))
+        return {"loss": F.mse_loss(logits, y), "logits": logits}
+
+
+def _bf16_full(rank: int, stage: int) -> dict:
+    """DeepSpeedExamples' bf16_full: bf16 weights, their own masters, bf16 optimizer state, the forward
+    under autocast (fp32 inputs as given: autocast casts them for the bf16 Linear layers)."""
+    from zero_strategy.memory import memory_stats
+
+    torch.manual_seed(0)
+    model = Probe()
+    engine, opt, _, _ = deepspeed.initialize(model=model, config=config(
+        stage, bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+        torch_autocast={"enabled": True, "dtype": "torch.bfloat16"}))
+    losses, dtypes = [], set()
+    for step in range(8):
+        out = engine(*_batch(step % 2, rank))  # two batches over and over: the loss must fall
+        dtypes.add((str(out["logits"].dtype), str(out["loss"].dtype)))
+        engine.backward(out["loss"])
+        engine.step()
+        losses.append(out["loss"].item())
+    return {"losses": losses, "dtypes": sorted(dtypes), "weights": str(model.fc1.weight.dtype),
+            "state": sorted({str(t.dtype) for t in opt.step_backend.stored_tensors()}),
+            "masters": memory_stats(model, [opt])["master_params"]}
+
+
 def _zero_init(rank: int, folder: str) -> dict:
     cfg = config(3, bf16={"enabled": True})
     with pytest.raises(ValueError, match="only stage 3 builds the model sharded"):
@@ -331,6 +361,7 @@ def _door(rank: int, world_size: int, folder: str) -> dict:
                    for how in ("engine.backward", "scale(loss).backward")}
     out["fp16 refusal"] = _fp16_refusal(rank)
     out["fp16 autocast"] = _fp16_autocast(rank)
+    out["bf16_full"] = {stage: _bf16_full(rank, stage) for stage in (2, 3)}
     out["zero.Init"] = _zero_init(rank, folder)
     return out
 
@@ -357,6 +388,11 @@ def test_scripts_surface_on_two_ranks(tmp_path):
         assert autocast["dtypes"] == (torch.float16, torch.float32) and autocast["refusal"] == UNSCALED_FP16
         assert autocast["autocast"] == (True, torch.float16, False) and autocast["scale"] == 2.0**16
         assert autocast["moved"]
+        for stage, run in out["bf16_full"].items():  # bf16 weights under autocast, no fp32 copy, bf16 state
+            assert run["dtypes"] == [("torch.bfloat16", "torch.float32")] and run["weights"] == "torch.bfloat16"
+            assert run["state"] == ["torch.bfloat16"] and run["masters"] == 0, (stage, run)
+            first, last = run["losses"][:2], run["losses"][-2:]  # the two batches, before and after 3 steps
+            assert sum(last) < 0.85 * sum(first), (stage, run["losses"])  # it learns
         init = out["zero.Init"]
         assert init["on_meta"] and init["saved"] and init["whole"].shape == (16, 6)
         assert init["as_eager"]  # built inside zero.Init: the eager build's weights, bit for bit

@@ -28,8 +28,10 @@ def test_every_option_has_its_doc_and_declarations():
         assert isinstance(keys, tuple) and all(isinstance(k, str) and k for k in keys), f.name
         assert isinstance(f.metadata["argument"], bool), f.name
         assert f.default is not dataclasses.MISSING, f"{f.name}: every option has a default"
-    # master_weights follows the precision plugin (frontend/setup.py: engine_config), not an argument
-    assert [f.name for f in FIELDS if f not in ARGUMENTS] == ["master_weights"]
+    # master_weights and low_precision_reduce_dtype follow the precision plugin (frontend/setup.py:
+    # engine_config); low_precision_reduce_modules comes with initialize's torch_autocast: not arguments
+    assert [f.name for f in FIELDS if f not in ARGUMENTS] == ["master_weights", "low_precision_reduce_modules",
+                                                              "low_precision_reduce_dtype"]
 
 
 # ---- the front ends' signatures ------------------------------------------------------------------
@@ -163,7 +165,10 @@ DEEPSPEED_EXAMPLES = {  # each declared key, set in a config that has it reach i
     "zero_optimization.local_accumulation": {"zero_optimization": {"local_accumulation": True}},
     "data_types.grad_accum_dtype": {"data_types": {"grad_accum_dtype": "bf16"}},
     "zero_optimization.mics_shard_size": {"zero_optimization": {"mics_shard_size": 2}},
+    "torch_autocast.lower_precision_safe_modules": {"bf16": {"enabled": False}, "torch_autocast": {
+        "enabled": True, "lower_precision_safe_modules": ["torch.nn.modules.linear.Linear"]}},
 }
+FRONT_ENDS = {"torch_autocast.lower_precision_safe_modules": "initialize"}  # the one front end reading the section
 _BASE = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}  # where every key above applies
 
 
@@ -185,22 +190,24 @@ def test_every_deepspeed_key_reaches_its_option():
     from zero_strategy.deepspeed.config import map_deepspeed_config
     from zero_strategy.deepspeed.keys import MAPPED
 
-    declared = {key: f.name for f in FIELDS for key in f.metadata["deepspeed"]}
-    without, stale = declared.keys() - DEEPSPEED_EXAMPLES.keys(), DEEPSPEED_EXAMPLES.keys() - declared.keys()
+    declared = [(key, f.name) for f in FIELDS for key in f.metadata["deepspeed"]]  # a key may set several
+    keys = {key for key, _ in declared}
+    without, stale = keys - DEEPSPEED_EXAMPLES.keys(), DEEPSPEED_EXAMPLES.keys() - keys
     assert not without, f"add an example to DEEPSPEED_EXAMPLES for {sorted(without)}"
     assert not stale, f"no option declares {sorted(stale)}: remove their examples"
     before = dict(map_deepspeed_config(_BASE).strategy)
     reached = set(before)
-    for key, name in declared.items():
+    for key, name in declared:
         section, _, leaf = key.rpartition(".")
         assert leaf in MAPPED.get(section, ()), f"{key} (declared by {name}) is not read by the mapping"
         example = DEEPSPEED_EXAMPLES[key]
         assert key in set(_paths(example)), key
-        after = dict(map_deepspeed_config(_merged(_BASE, example)).strategy)
+        front_end = FRONT_ENDS.get(key, "ZeroStrategy")
+        after = dict(map_deepspeed_config(_merged(_BASE, example), front_end=front_end).strategy)
         assert name in after and (name not in before or after[name] != before[name]), (key, name, after)
         reached |= set(after)
     # the mapping sets no option that does not declare its key
-    assert reached <= set(declared.values()), reached - set(declared.values())
+    assert reached <= {name for _, name in declared}, reached - {name for _, name in declared}
 
 
 # ---- the estimator --------------------------------------------------------------------------------

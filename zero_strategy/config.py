@@ -15,7 +15,8 @@ type and default, its doc (``field.metadata["doc"]``), its DeepSpeed config keys
   (cli/configs.py), and list only what they change;
 - the DeepSpeed mapping (deepspeed/config.py, deepspeed/keys.py) converts the keys declared here
   (bucket elements into MiB, offload devices into flags, ...); a test maps each key and checks that
-  it reaches its option, and that the mapping sets no option that declares no key;
+  it reaches its options (one key may set several: bf16_optimizer_states), and that the mapping sets
+  no option that declares no key;
 - ``estimate_memory`` takes the options that change the bytes under their own names, and zero-estimate
   passes them from the configured strategy by those names (``memory.estimated_options``);
 - the options page of the docs is generated from each field's ``metadata["doc"]``.
@@ -221,9 +222,10 @@ class ZeroConfig:
         With ``optimizer_state_dtype="int8"``: elements per fp32 scale. The flat layout then starts every
         parameter, and ends every shard, at a multiple of it (see [Note: blocks that survive a reshard]).""")
 
-    optimizer_state_min_numel: int = option(4096, deepspeed=(), doc="""
+    optimizer_state_min_numel: int = option(4096, deepspeed="bf16.bf16_optimizer_states", doc="""
         Parameters with fewer elements keep fp32 optimizer state (biases, norms), as the published
-        8-bit optimizers do: they cost little and are the most sensitive.""")
+        8-bit optimizers do: they cost little and are the most sensitive. DeepSpeed's
+        ``bf16.bf16_optimizer_states`` keeps every parameter's state in bf16: it maps to 0.""")
 
     # ---- local accumulation (issue 32): see [Note: local accumulation] in engine/grads/accumulation.py
     local_accumulation: bool = option(False, deepspeed="zero_optimization.local_accumulation", doc="""
@@ -239,6 +241,22 @@ class ZeroConfig:
         over the micro-batches) or "working" (the parameters' dtype: half the bytes for bf16/fp16).
         Without local_accumulation gradients accumulate in their reduced shard, in the working dtype,
         whatever this says. DeepSpeed's ``data_types.grad_accum_dtype`` maps onto it.""")
+
+    # ---- gradients reduced in fewer bits (issue 50): see [Note: low-precision reductions] in engine/grads/reducer.py
+    low_precision_reduce_modules: Sequence[Union[str, type]] = option(
+        (), deepspeed="torch_autocast.lower_precision_safe_modules", argument=False, doc="""
+        The module classes whose own fp32 parameters' gradients are reduced in ``low_precision_reduce_dtype``:
+        each rank's gradient, divided by the ranks, rounded to it; the sum over the ranks rounded to it again,
+        then added to the fp32 gradient shard the optimizer reads. Half the bytes of an fp32 reduction for
+        those gradients. A class matches exactly (not its subclasses), a name the class of that name, as
+        DeepSpeed matches them. Set by ``initialize`` from DeepSpeed's ``torch_autocast`` section (its
+        ``lower_precision_safe_modules``, or DeepSpeed's default when absent: Linear and Conv1d/2d/3d), with
+        the autocast dtype; () reduces every gradient in its parameter's dtype.""")
+
+    low_precision_reduce_dtype: Optional[torch.dtype] = option(None, deepspeed=(), argument=False, doc="""
+        The dtype of ``low_precision_reduce_modules``' reductions: torch.bfloat16 or torch.float16, the
+        forward's autocast dtype (the front end sets it from the precision, as it sets master_weights).
+        None: no gradient is reduced in another dtype than its parameter's.""")
 
     # ---- hybrid sharding (issue 32): see [Note: hybrid sharding] in engine/comm/topology.py
     shard_group_size: Union[int, str, None] = option(None, deepspeed="zero_optimization.mics_shard_size", doc="""
@@ -294,6 +312,13 @@ class ZeroConfig:
             raise ValueError("local_accumulation=True at stage 1: stage 1 keeps whole gradients until the step and "
                              "reduces them once per optimizer step already (in the working dtype), so there is "
                              "nothing to defer. Drop local_accumulation, or use stage=2 or 3.")
+
+    def _check_low_precision_reduce(self) -> None:
+        _module_targets(self, "low_precision_reduce_modules")
+        dtype = self.low_precision_reduce_dtype
+        if dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"low_precision_reduce_dtype={dtype!r} must be torch.bfloat16, torch.float16 or None (the "
+                             "forward's autocast dtype, which the front end sets).")
 
     def __post_init__(self) -> None:
         if type(self.stage) is not int or self.stage not in SUPPORTED_STAGES:
@@ -352,6 +377,7 @@ class ZeroConfig:
         self._check_communication_options()
         self._check_low_precision_options()
         self._check_local_accumulation()
+        self._check_low_precision_reduce()
         self._check_shard_group_size()
 
     def _check_low_precision_options(self) -> None:

@@ -330,6 +330,8 @@ def map_deepspeed_config(config: Union[dict, str, os.PathLike], world_size: Opti
     strategy = reader.zero(read_section(config.get("zero_optimization") or {}, "zero_optimization"),
                            _element_size(config_precision or precision))
     strategy.update(read_bf16_low_precision(config, config_precision, reader))
+    if autocast is not None and autocast.reduce_modules and config_precision != "bf16-mixed":
+        strategy["low_precision_reduce_modules"] = autocast.reduce_modules  # fp32 weights: see [Note: torch_autocast]
     strategy.update(read_accumulation(config, read_section(config.get("zero_optimization") or {},
                                                            "zero_optimization"), config_precision, reader))
     if "zero_allow_untested_optimizer" in config:

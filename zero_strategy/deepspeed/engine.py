@@ -107,8 +107,9 @@ class ZeroEngine(nn.Module):
         return self._device
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.precision.dtype is not torch.float32:  # the fp16/bf16 weights' dtype, as fp16.auto_cast does
-            inputs, kwargs = self.precision.convert_input((inputs, kwargs))
+        if self.precision.dtype is not torch.float32 and self.precision.autocast_dtype is None:
+            inputs, kwargs = self.precision.convert_input((inputs, kwargs))  # as fp16.auto_cast does; under
+            # torch_autocast each op's dtype is autocast's, as in DeepSpeed (which casts no input then)
         with offload_activations(enabled=self.zero_config.offload_activations and torch.is_grad_enabled()), \
                 self.precision.autocast(self._device.type):  # torch_autocast: see [Note: torch_autocast]
             outputs = self.module(*inputs, **kwargs)
@@ -313,7 +314,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     record_local_rank(args, rank_here)
     device = engine_device(rank_here)
     precision = WorkingPrecision(settings.precision or "32-true", **settings.precision_kwargs,
-                                 **autocast_kwargs(settings.autocast, device))
+                                 **autocast_kwargs(settings.autocast, device, settings.precision))
 
     def build() -> list[torch.optim.Optimizer]:  # after the dtype and the device, as DeepSpeed builds it
         built = build_optimizer(model, optimizer, model_parameters, settings)

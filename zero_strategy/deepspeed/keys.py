@@ -401,7 +401,8 @@ def read_zero_plus_plus(zero: Mapping, stage: int, findings: Findings) -> dict[s
 def read_bf16_low_precision(config: Mapping, precision: Optional[str], findings: Findings) -> dict[str, Any]:
     """ZeroConfig settings from DeepSpeed's ``bf16.bf16_master_weights_and_grads`` (no fp32 master:
     ``master_weights_dtype="bf16"``; the gradients are bf16 here anyway, the weights' dtype) and
-    ``bf16.bf16_optimizer_states`` (``optimizer_state_dtype="bf16"``). Both need bf16 enabled; the
+    ``bf16.bf16_optimizer_states`` (``optimizer_state_dtype="bf16"`` for every parameter,
+    ``optimizer_state_min_numel=0``, as DeepSpeed's). Both need bf16 enabled; the
     bf16 masters are updated with stochastic rounding here (``stochastic_rounding=False``: to nearest)."""
     section = config.get("bf16") or {}
     kwargs: dict[str, Any] = {}
@@ -414,6 +415,8 @@ def read_bf16_low_precision(config: Mapping, precision: Optional[str], findings:
                                      "remove the key")
             continue
         kwargs[setting] = "bf16"
+    if "optimizer_state_dtype" in kwargs:
+        kwargs["optimizer_state_min_numel"] = 0  # DeepSpeed keeps every parameter's state in bf16, small ones too
     if "master_weights_dtype" in kwargs:
         findings.notes.append("bf16.bf16_master_weights_and_grads: the bf16 weights are their own master "
                               "(master_weights_dtype=\"bf16\"), updated with stochastic rounding; pass "

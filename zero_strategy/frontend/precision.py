@@ -46,14 +46,19 @@ class WorkingPrecision:
         self.precision = precision
         self.dtype: torch.dtype = PRECISION_DTYPES[precision]
         self.scaler: Optional[LossScaler] = None
-        # [Note: the autocast mode] (DeepSpeed's torch_autocast, see deepspeed/autocast.py): fp32 weights,
-        # gradients and optimizer, the forward under torch.autocast(autocast_dtype); fp16 scales the loss
-        # as torch's GradScaler does (2**16, halved at each overflow, doubled after 2000 clean steps)
+        # [Note: the autocast mode] (DeepSpeed's torch_autocast, see deepspeed/autocast.py): the forward under
+        # torch.autocast(autocast_dtype), over fp32 weights, gradients and optimizer ("32-true"), where fp16
+        # scales the loss as torch's GradScaler does (2**16, halved at each overflow, doubled after 2000 clean
+        # steps); or over bf16 weights ("bf16-mixed"/"bf16-true", DeepSpeed's bf16 with torch_autocast) in bf16
         self.autocast_dtype = autocast_dtype
         if autocast_dtype is not None:
-            if precision != "32-true" or autocast_dtype not in (torch.bfloat16, torch.float16):
+            allowed = {"32-true": (torch.bfloat16, torch.float16), "bf16-mixed": (torch.bfloat16,),
+                       "bf16-true": (torch.bfloat16,)}
+            if autocast_dtype not in allowed.get(precision, ()):
                 raise ValueError(f"autocast_dtype={autocast_dtype} with precision={precision!r}: the autocast mode "
-                                 "keeps fp32 weights (precision '32-true') and autocasts to bfloat16 or float16.")
+                                 "autocasts fp32 weights (precision '32-true') to bfloat16 or float16, and bf16 "
+                                 "weights ('bf16-mixed', 'bf16-true') to bfloat16 only. Autocast to bfloat16, or keep "
+                                 "fp32 weights.")
             if autocast_dtype == torch.float16:
                 self.scaler = LossScaler(scale=2.0**16, window=2000, hysteresis=1, min_scale=2.0**-24)
         if precision == "16-mixed":

@@ -66,8 +66,10 @@ Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.
 
 
 def engine_config(config: ZeroConfig, precision: WorkingPrecision) -> ZeroConfig:
-    """The settings with master weights as the precision asks."""
-    return dataclasses.replace(config, master_weights=precision.master_weights)
+    """The settings with master weights as the precision asks, and the autocast dtype as the dtype of
+    ``low_precision_reduce_modules``' reductions (see [Note: low-precision reductions])."""
+    return dataclasses.replace(config, master_weights=precision.master_weights,
+                               low_precision_reduce_dtype=precision.autocast_dtype)
 
 
 def move_module(module: nn.Module, device: torch.device) -> None:

@@ -103,6 +103,7 @@ class FlatGroup:
         self.offload_master = offload_master
         self.master_shard: Optional[torch.Tensor] = None  # see [Note: master copies]
         self.reduce_quantization: Optional[QuantSpec] = None  # how its gradients travel (quantized_gradients)
+        self.reduce_dtype: Optional[torch.dtype] = None  # or in this dtype (low_precision_reduce_modules)
         self.before_master_write: Optional[Callable[[], None]] = None  # see prepare_master_write
         self._master_dtype = (master_dtype or self.dtype) if offload_master else master_dtype
 

@@ -23,6 +23,18 @@ result to the host shard when the reduction completes, during backward (non-bloc
 device, added on the host when accumulating), so no device gradient shard exists. Stage 1 keeps its
 full device buffer for autograd and copies each segment's shard out as soon as that segment is
 reduced, while the next one is in flight.
+
+[Note: low-precision reductions]
+A flat group with a ``reduce_dtype`` (the gradients of ``low_precision_reduce_modules``: DeepSpeed's
+``torch_autocast.lower_precision_safe_modules``) is reduced in that dtype: each segment, already
+divided by the ranks in the weights' fp32, is rounded to it, reduce-scattered in it (half the bytes
+for bf16 and fp16), and the shard that arrives is converted back and written or added into the fp32
+gradient shard, as DeepSpeed copies each such gradient into a bucket of that dtype, reduces the
+bucket and adds the result into its fp32 partition. On gloo the shards are summed by one
+``torch.sum`` over the ranks' chunks, which rounds once: DeepSpeed's sum on 2 ranks, and a closer
+one than a ring that rounds at each hop on more. The groups are split by it (``split_groups``), so a
+segment is one dtype; across shard groups (hybrid sharding) the sum stays in fp32. With
+``quantized_gradients`` the quantized reduction applies instead.
 """
 
 from __future__ import annotations
@@ -132,9 +144,11 @@ class GradientReducer:
         reducer's generator (see [Note: stochastic rounding of blocks] in engine/comm/quantize.py). With hybrid sharding
         the result is then all-reduced across the replicas (unless not ``sum_replicas``), ``fold``
         added into it first (see [Note: hybrid sharding])."""
-        spec = self.groups[gi].reduce_quantization
+        spec, low = self.groups[gi].reduce_quantization, self.groups[gi].reduce_dtype
         if spec is not None:
             pending = self.comm.quantized_reduce_scatter(output, input, spec, what, noise=self._rounding)
+        elif low is not None:
+            pending = self._reduce_scatter_in(low, output, input, what)
         elif not self.comm.reduce_scatter_needs_scratch:
             pending = self.comm.reduce_scatter(output, input, what)
         else:
@@ -151,6 +165,23 @@ class GradientReducer:
                 output.add_(fold.to(output.device, output.dtype))
             replicas.all_reduce(output, what=lambda: f"all-reduce across the shard groups of the {what()}")
         return after(pending, across_replicas)
+
+    def _reduce_scatter_in(self, dtype: torch.dtype, output: torch.Tensor, input: torch.Tensor, what) -> Pending:
+        """``input`` rounded to ``dtype``, reduce-scattered in it, and converted into ``output`` (see [Note:
+        low-precision reductions]); the buffers come from the pool and go back to it."""
+        sent = self._pool.take(input.numel(), dtype, input.device)
+        sent.copy_(input.view(-1))
+        got = self._pool.take(output.numel(), dtype, output.device)
+        scratch = self._pool.take(input.numel(), dtype, input.device) if self.comm.reduce_scatter_needs_scratch \
+            else None
+        pending = self.comm.reduce_scatter(got, sent, what, scratch)
+
+        def back() -> None:
+            output.view(-1).copy_(got)
+            for buffer in (sent, got, scratch):
+                if buffer is not None:
+                    self._pool.give(buffer)
+        return after(pending, back)
 
     def _describe(self, gi: int, si: int) -> str:
         seg = self.groups[gi].segments[si]

@@ -97,13 +97,36 @@ _OWNERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 then pickles and copies as the user's (see [Note: a module's copies hold what the user sees])."""
 
 
-def split_groups(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
-    """Flat groups of a unit: by dtype, device, requires_grad, and which optimizer steps them (each
-    optimizer's gradient reducer then hooks only its own parameters)."""
+def split_groups(params: Sequence[nn.Parameter], owner_of: dict[nn.Parameter, int],
+                 reduce_dtype_of: Optional[dict[nn.Parameter, torch.dtype]] = None) -> list[list[nn.Parameter]]:
+    """Flat groups of a unit: by dtype, device, requires_grad, which optimizer steps them (each
+    optimizer's gradient reducer then hooks only its own parameters), and the dtype their gradients are
+    reduced in (see [Note: low-precision reductions] in engine/grads/reducer.py)."""
     runs: dict[tuple, list] = {}
+    reduce_dtype_of = reduce_dtype_of or {}
     for p in params:
-        runs.setdefault((p.dtype, p.device, p.requires_grad, owner_of.get(p, -1)), []).append(p)
+        runs.setdefault((p.dtype, p.device, p.requires_grad, owner_of.get(p, -1), reduce_dtype_of.get(p)),
+                        []).append(p)
     return list(runs.values())
+
+
+def low_precision_params(owners: dict[nn.Parameter, list[nn.Module]], config: ZeroConfig) -> dict[nn.Parameter,
+                                                                                                 torch.dtype]:
+    """The parameters whose gradients are reduced in ``config.low_precision_reduce_dtype``: those wider than
+    it owned by a module of exactly a class of ``low_precision_reduce_modules`` (as DeepSpeed matches its
+    lower_precision_safe_modules: ``module.__class__ in classes``)."""
+    targets, dtype = config.low_precision_reduce_modules, config.low_precision_reduce_dtype
+    if not targets:
+        return {}
+    if dtype is None:
+        raise ValueError(f"low_precision_reduce_modules={list(targets)!r} without low_precision_reduce_dtype: give the "
+                         "dtype to reduce their gradients in (torch.bfloat16 or torch.float16), or no modules.")
+
+    def exact(module: nn.Module) -> bool:
+        return any(type(module).__name__ == t if isinstance(t, str) else type(module) is t for t in targets)
+
+    return {p: dtype for p, modules in owners.items()
+            if p.requires_grad and p.dtype.itemsize > dtype.itemsize and any(exact(m) for m in modules)}
 
 
 def _eager(hook):
@@ -171,6 +194,11 @@ class FlatParameters:
         for mod in (self.module.modules() if self.module is not None else ()):
             for p in mod.parameters(recurse=False):
                 self._owners.setdefault(p, []).append(mod)
+        if config.low_precision_reduce_modules and self.module is None:
+            raise ValueError(f"low_precision_reduce_modules={list(config.low_precision_reduce_modules)!r} names module "
+                             "classes: build the flat groups over the module (shard_module(model, config)), not a list "
+                             "of parameters.")
+        self._reduce_dtype_of = low_precision_params(self._owners, config)  # see [Note: low-precision reductions]
         if config.stage == 3:
             if self.module is None:
                 raise ValueError("ZeRO stage 3 gathers parameters around their modules' forward: give shard_module "
@@ -290,7 +318,7 @@ class FlatParameters:
         materialize_meta(params, self._owners, self._device or torch.device("cpu"))
         n, r, config = self.comm.world_size, self.comm.rank, self.config
         groups: list[FlatGroup] = []
-        for ps in split_groups(params, self._optimizer_of):
+        for ps in split_groups(params, self._optimizer_of, self._reduce_dtype_of):
             trainable = ps[0].requires_grad
             # stage 3 builds units from rank 0's values (and materialises meta ones); stages 1-2 take the
             # parameters as they are (equal on every rank, as for DDP). A group whose every parameter gets
@@ -311,6 +339,7 @@ class FlatParameters:
                                            pool=self.pool, **common))
             if trainable:
                 groups[-1].reduce_quantization = config.gradient_quantization
+                groups[-1].reduce_dtype = self._reduce_dtype_of.get(ps[0])
         return groups
 
     @property
