@@ -147,6 +147,8 @@ RULES: dict[str, Rule] = {
     "comet": _harmless(_LOGGING), "timers": _harmless("DeepSpeed's internal timers"),
     "log_level": _harmless("DeepSpeed's own logger"), "disable_python_gc": _harmless(_SPEED),
     "vocabulary_size": _harmless("only a tensor-core alignment warning in DeepSpeed"),
+    "cuda_visible_devices": _harmless("not read by DeepSpeed 0.19 (devices are the launcher's: --include, "
+                                      "CUDA_VISIBLE_DEVICES)"),  # in DeepSpeedExamples' imagenet configs
     "disable_allgather": _harmless("has no effect in DeepSpeed 0.19"),
     "aio": _harmless("DeepSpeed's asynchronous NVMe I/O tuning; offloaded tiles are ordinary files here"),
     "checkpoint": _harmless("DeepSpeed's checkpoint writing options; checkpoints here validate every file and "
@@ -236,7 +238,9 @@ RULES: dict[str, Rule] = {
                                                       "checkpoints here always restore the fp32 master; remove it"),
     "zero_optimization.zero_quantized_nontrainable_weights": _only(False, "false: the default", "frozen weights "
                                                                    "are gathered unquantized here (quantized_weights "
-                                                                   "covers all of them when set); set it false"),
+                                                                   "covers all of them when set), and DeepSpeed "
+                                                                   "quantizes them with a CUDA kernel only "
+                                                                   "(CUDAQuantizer); set it false"),
     "zero_optimization.zenflow": _refused("ZenFlow's stale-gradient updates are not supported; remove it"),
     **{f"zero_optimization.{key}": _refused(_REMOVED) for key in (
         "zeropp_loco_param",)},
