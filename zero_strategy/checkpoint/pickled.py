@@ -28,6 +28,7 @@ thing a script does), so the save splits them off instead:
 from __future__ import annotations
 
 import io
+from collections import OrderedDict
 from typing import Any, Iterable
 
 import torch
@@ -37,9 +38,20 @@ from .format import CheckpointError
 PickledEntries = dict[tuple, Any]  # key path -> the object at it
 
 
+_SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.nn.Parameter, torch.dtype,
+                torch.device, torch.Size)
+_CONTAINERS = (dict, OrderedDict, list, tuple)
+
+
 def _loads_safely(value: Any) -> bool:
-    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str)):
-        return True  # what a safe load always takes: skip the round trip
+    """Whether a safe load takes ``value``. The containers and leaves it always takes are walked, so that
+    the tensors of a large state (an EMA callback's weights) are not serialized twice; anything else is
+    tried: ``torch.save``, then ``torch.load(weights_only=True)``."""
+    if type(value) in _SAFE_LEAVES:
+        return True
+    if type(value) in _CONTAINERS:
+        items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+        return all((k is None or type(k) in _SAFE_LEAVES) and _loads_safely(v) for k, v in items)
     buffer = io.BytesIO()
     try:
         torch.save(value, buffer)
