@@ -3,7 +3,8 @@
 fp16 refused without the loss scale), ``zero.Init`` / ``GatheredParameters``, ``save_16bit_model``,
 ``utils.zero_to_fp32`` (on this package's checkpoints, and on DeepSpeed's, against DeepSpeed's own
 reading), ``ops.adam``, ``checkpointing``, the ``moe`` / ``pipe`` refusals, ``zero-launch``'s
-command lines, and DeepSpeedExamples' bf16_full config (bf16 weights under ``torch_autocast``). The distributed parts share one call on the 2-rank worker pool.
+command lines, and DeepSpeedExamples' bf16_full config (bf16 weights under ``torch_autocast``). The
+distributed parts share one call on the 2-rank worker pool.
 """
 
 from __future__ import annotations

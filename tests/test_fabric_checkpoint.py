@@ -298,7 +298,7 @@ def test_a_state_holding_a_dataloader_saves_and_loads_it_only_when_asked(tmp_pat
         assert r["zero"]["step"] == r["safe"]["step"] == 2
         assert_same(r["zero"], r["ddp"], **FP32)  # the resumed run goes on as DDP's resumed run does
         assert_same(r["safe"], r["zero"], rtol=0, atol=0)  # without the opt-in: all but the loader, the same
-        assert r["safe"]["loader"] == "NoneType"  # kept its value, and said why (below), naming the entry and the opt-in
+        assert r["safe"]["loader"] == "NoneType"  # kept its value, and said why (below): the entry and the opt-in
     [warning] = results[0]["safe"]["warned"]
     assert "'loader'" in warning and "fabric.load(path, state, weights_only=False)" in warning
     assert results[1]["safe"]["warned"] == []  # rank 0 says it once

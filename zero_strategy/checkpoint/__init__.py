@@ -17,6 +17,6 @@ from .sharded import load_model, load_optimizers, save_sharded
 from .store import CheckpointError, CheckpointReader, UnverifiedCheckpointWarning, is_sharded_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointReader", "PickledObjectsWarning", "UnverifiedCheckpointWarning",
-           "align_optimizer_state", "consolidate_checkpoint", "consolidate_deepspeed_checkpoint", "export_hf_checkpoint",
-           "is_deepspeed_checkpoint", "is_sharded_checkpoint", "load_model", "load_optimizers",
+           "align_optimizer_state", "consolidate_checkpoint", "consolidate_deepspeed_checkpoint",
+           "export_hf_checkpoint", "is_deepspeed_checkpoint", "is_sharded_checkpoint", "load_model", "load_optimizers",
            "read_deepspeed_checkpoint", "save_sharded"]

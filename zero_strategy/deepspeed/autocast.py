@@ -72,9 +72,9 @@ def read_torch_autocast(config: Mapping, findings: Findings, precision: Optional
         return None
     if precision == "16-mixed":
         findings.problems.append("torch_autocast with fp16.enabled: fp16 weights under autocast are not supported "
-                                 "here (DeepSpeed's CPU accelerator refuses fp16 too: \"Type fp16 is not supported on "
-                                 "your device\", on CPUs without AVX512-FP16); use bf16.enabled with torch_autocast, as "
-                                 "DeepSpeed's bf16 examples do, or remove one of the two")
+                                 "here (DeepSpeed's CPU accelerator refuses fp16 too: \"Type fp16 is not supported "
+                                 "on your device\", on CPUs without AVX512-FP16); use bf16.enabled with "
+                                 "torch_autocast, as DeepSpeed's bf16 examples do, or remove one of the two")
     dtype_name = section.get("dtype")
     dtype = None
     if dtype_name is not None:
@@ -85,8 +85,8 @@ def read_torch_autocast(config: Mapping, findings: Findings, precision: Optional
     if precision == "bf16-mixed":
         if dtype == torch.float16:
             findings.problems.append(f"torch_autocast.dtype={dtype_name!r} with bf16.enabled: an fp16 forward over "
-                                     "bf16 weights (DeepSpeed would add torch's GradScaler and reduce some gradients in "
-                                     "fp16) is not supported here; autocast to \"bfloat16\"")
+                                     "bf16 weights (DeepSpeed would add torch's GradScaler and reduce some gradients "
+                                     "in fp16) is not supported here; autocast to \"bfloat16\"")
         findings.notes.append("torch_autocast with bf16.enabled: bf16 weights and gradients (their masters and "
                               "optimizer state as the bf16 section says), the forward under torch.autocast to "
                               "bfloat16 (inputs as given), as DeepSpeed runs them; every gradient is bf16 already, so "
@@ -134,9 +134,9 @@ def autocast_kwargs(settings: Optional[AutocastSettings], device: torch.device,
         return {}
     dtype = settings.dtype or torch.get_autocast_dtype(device.type)
     if precision == "bf16-mixed" and dtype != torch.bfloat16:
-        raise DeepSpeedConfigError(f"torch_autocast gives no dtype, which on {device.type} is torch's default, {dtype}: "
-                                   "an fp16 forward over the bf16 weights of bf16.enabled is not supported here; set "
-                                   "torch_autocast.dtype to \"bfloat16\".")
+        raise DeepSpeedConfigError(f"torch_autocast gives no dtype, which on {device.type} is torch's default, "
+                                   f"{dtype}: an fp16 forward over the bf16 weights of bf16.enabled is not supported "
+                                   "here; set torch_autocast.dtype to \"bfloat16\".")
     return {"autocast_dtype": dtype}
 
 
