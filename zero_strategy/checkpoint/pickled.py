@@ -90,6 +90,9 @@ def split_pickled(state: dict[str, Any]) -> tuple[dict[str, Any], PickledEntries
     pickled: PickledEntries = {}
     kept = _split(state, (), pickled)
     for path, value in pickled.items():
+        if not all(isinstance(k, (str, int)) for k in path):  # the path itself goes into trainer_state.pt
+            raise CheckpointError(f"the state's key {path[-1]!r} ({type(path[-1]).__name__}) holds an object a safe "
+                                  "load refuses, and the key cannot name it in a safe file either; use string keys.")
         try:
             torch.save(value, io.BytesIO())
         except Exception as err:  # noqa: BLE001 - what pickle raises for the object
