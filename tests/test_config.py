@@ -16,8 +16,9 @@ from torch import nn
 
 from zero_strategy.config import SUPPORTED_STAGES, ZeroConfig
 from zero_strategy.engine import ELEMENTWISE_OPTIMIZERS, Collectives, ZeroOptimizer, check_optimizer_supported
+from zero_strategy.engine.optim.checks import WHOLE_PARAMETER_OPTIMIZERS
 
-ALLOWED = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+ALLOWED = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS)
 
 
 # ---- ZeroConfig ----------------------------------------------------------------------------
@@ -102,35 +103,42 @@ def _zero(optimizer, config=None):
     return opt
 
 
-def _not_shardable():
-    cases = [("LBFGS", torch.optim.LBFGS), ("SparseAdam", torch.optim.SparseAdam)]
-    for name in ("Adafactor", "Muon"):
-        if hasattr(torch.optim, name):
-            cases.append((name, getattr(torch.optim, name)))
-    return cases
+REFUSED = {  # the optimizers no sharding keeps exact: what the refusal must say (why, and what to use)
+    "LBFGS": (torch.optim.LBFGS, "closure", "train it with DDP"),
+    "SparseAdam": (torch.optim.SparseAdam, "sparse gradients", "use dense embeddings with Adam or AdamW"),
+}
 
 
-@pytest.mark.parametrize("name,cls", _not_shardable(), ids=[n for n, _ in _not_shardable()])
-def test_non_elementwise_optimizers_rejected(name, cls):
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_optimizers_that_no_sharding_keeps_exact_are_refused_saying_why_and_what_to_use(name):
+    cls, why, instead = REFUSED[name]
     params = _params((4, 3), (3, 5))
     before = [(p.data_ptr(), p.detach().clone()) for p in params]
-    with pytest.raises(ValueError, match=rf"^{name} cannot be sharded by ZeRO: .*not elementwise") as info:
+    with pytest.raises(ValueError, match=rf"^{name} cannot be trained under ZeRO: ") as info:
         _zero(cls(params, lr=0.01))
-    assert f"Use one of {ALLOWED}" in str(info.value)
-    # rejected before anything was flattened
+    assert why in str(info.value) and instead in str(info.value)
+    # refused before anything was flattened
     for p, (ptr, value) in zip(params, before):
         assert p.data_ptr() == ptr and torch.equal(p, value)
 
 
-def test_subclass_of_non_elementwise_optimizer_rejected():
+def test_subclass_of_a_refused_optimizer_is_refused():
     class MyLBFGS(torch.optim.LBFGS):
         pass
 
-    with pytest.raises(ValueError, match=r"^MyLBFGS cannot be sharded by ZeRO: it keeps a curvature history"):
+    with pytest.raises(ValueError, match=r"^MyLBFGS cannot be trained under ZeRO: it keeps a curvature history"):
         _zero(MyLBFGS(_params((3,))))
-    # even when untested optimizers are allowed: these are known not to be elementwise
-    with pytest.raises(ValueError, match=r"^MyLBFGS cannot be sharded"):
-        _zero(MyLBFGS(_params((3,))), ZeroConfig(allow_untested_optimizer=True))
+    # even when untested optimizers are allowed, or whole parameters asked for: no sharding keeps it exact
+    for config in (ZeroConfig(allow_untested_optimizer=True), ZeroConfig(whole_parameter_step=True)):
+        with pytest.raises(ValueError, match=r"^MyLBFGS cannot be trained under ZeRO"):
+            _zero(MyLBFGS(_params((3,))), config)
+
+
+def test_whole_parameter_optimizers_refuse_the_steps_that_update_flat_shards():
+    for options in ({"offload_optimizer": True}, {"optimizer_state_dtype": "bf16"}):
+        with pytest.raises(ValueError, match=r"^Adafactor is stepped whole, each parameter on one rank, which does not "
+                                             rf"combine with {next(iter(options))}"):
+            _zero(torch.optim.Adafactor(_params((4, 3))), ZeroConfig(**options))
 
 
 class MyElementwiseSGD(torch.optim.Optimizer):
@@ -152,8 +160,8 @@ def test_untested_optimizer_rejected_by_default():
     with pytest.raises(ValueError, match=r"^MyElementwiseSGD has not been verified to be elementwise") as info:
         _zero(MyElementwiseSGD(params))
     msg = str(info.value)
-    assert f"Verified: {ALLOWED}." in msg
-    assert "allow_untested_optimizer=True" in msg
+    assert f"Known: {ALLOWED}." in msg
+    assert "allow_untested_optimizer=True" in msg and "whole_parameter_step=True" in msg
     with pytest.raises(ValueError, match="MyElementwiseSGD"):
         check_optimizer_supported(MyElementwiseSGD(_params((2,))), ZeroConfig())
 

@@ -100,6 +100,12 @@ class ZeroConfig:
         guess silently changes the update (the optimizer sees a flat shard, not the parameter's
         shape), so this is opt-in, as with DeepSpeed's ``zero_allow_untested_optimizer``.""")
 
+    whole_parameter_step: bool = option(False, deepspeed=(), doc="""
+        Step every parameter whole, each on one rank that keeps its state, for an optimizer whose update
+        reads a whole parameter (its rows, columns or matrix). ``torch.optim.Muon`` and
+        ``torch.optim.Adafactor``, and classes with ``zero_whole_parameters = True``, get it without
+        this; see "Optimizers that read a whole parameter" in docs/trainer.md.""")
+
     offload_optimizer: bool = option(False, deepspeed="zero_optimization.offload_optimizer.device", doc="""
         Keep the fp32 master weights and the optimizer state in host memory (pinned on CUDA) and run
         the step on the host; gradients go to the host as their buckets are reduced. Stages 1-3.""")

@@ -150,8 +150,18 @@ def _collect(rank: int, module: nn.Module, optimizers: Sequence[ZeroOptimizer],
             if key not in tensors.setdefault(name, []):
                 tensors[name].append(key)
 
+        if zopt.step_backend.whole_parameters:  # each owner writes its parameters' state whole (whole.py)
+            for param, state in zopt.step_backend.owned_items() if mine else ():
+                name = names[param]
+                for key, value in state.items():
+                    if is_elementwise(value):
+                        add(optim_name(i, key, name), value.detach().reshape(-1), 0, value.shape)
+                        add_state(key, name)
+                    else:
+                        scalars.setdefault(name, {})[key] = value.detach().cpu().clone() if isinstance(
+                            value, torch.Tensor) else value
         with zopt.materialized_state(decoded=False):  # state offloaded to disk is read back for this
-            for ref in zopt.pieces() if mine else ():
+            for ref in zopt.pieces() if mine and not zopt.step_backend.whole_parameters else ():
                 name, start, shape = names[ref.param], ref.piece.param_start, ref.group.shapes[ref.piece.param]
                 for key, value in zopt.piece_state(ref).items():
                     if is_elementwise(value):

@@ -416,6 +416,19 @@ class Collectives:
         work = dist.all_to_all_single(received, packed, group=self.group, async_op=True)
         return self._pending(work, lambda: then(received), what, "all-to-all")
 
+    def all_to_all(self, received: torch.Tensor, sent: torch.Tensor, received_splits: Sequence[int],
+                   sent_splits: Sequence[int], what: Describe = _unnamed) -> None:
+        """Synchronous all-to-all of unequal parts: ``sent_splits[j]`` elements of ``sent`` to rank j and
+        ``received_splits[j]`` from rank j into ``received``, both in rank order."""
+        if self.world_size == 1:
+            received.copy_(sent)
+            return
+        self.counter.add("all_to_all", (sum(sent_splits) - sent_splits[self.rank]) * sent.element_size(),
+                         self.inter_node)
+        work = dist.all_to_all_single(received, sent, list(received_splits), list(sent_splits), group=self.group,
+                                      async_op=True)
+        self._pending(work, None, what, "all-to-all").wait()
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: Describe = _unnamed) -> None:
         """In-place, synchronous broadcast from ``src`` (a rank of this group)."""
         if self.world_size > 1:

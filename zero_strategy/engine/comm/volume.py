@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 """The keys of ``comm_stats()`` besides ``total``, ``intra_node`` and ``inter_node``."""
 
 _FACTOR = {"all_gather": (1, 1), "reduce_scatter": (1, 1), "all_reduce": (2, 1), "broadcast": (1, 1),

@@ -16,29 +16,50 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 )
 """Verified to update each element from that element's own gradient and state only."""
 
+WHOLE_PARAMETER_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name))
+"""Read a whole parameter in their update: stepped whole, each parameter on one rank (see [Note:
+whole-parameter step] in engine/optim/step/whole.py)."""
+
 _NOT_SHARDABLE: dict[str, str] = {
-    "LBFGS": "keeps a curvature history over the whole parameter vector and re-evaluates a closure",
-    "SparseAdam": "expects sparse gradients",
-    "Adafactor": "factors its second moment over the rows and columns of each parameter's shape",
-    "Muon": "orthogonalises each parameter as a whole matrix",
+    "LBFGS": ("keeps a curvature history over all parameters as one vector and re-evaluates the loss through a "
+              "closure several times per step, which no sharding of the parameters keeps exact; train it with DDP"),
+    "SparseAdam": ("expects sparse gradients (nn.Embedding(sparse=True)), which the reductions of ZeRO do not carry; "
+                   "use dense embeddings with Adam or AdamW, or train it with DDP"),
 }
+
+_NOT_WITH_WHOLE = ("offload_optimizer", "offload_dir", "offload_overlap")  # the host and disk steps are elementwise
+
+
+def needs_whole_parameters(cls: type, config: ZeroConfig) -> bool:
+    """Whether ``cls``'s update is stepped whole, each parameter on one rank."""
+    return (config.whole_parameter_step or issubclass(cls, WHOLE_PARAMETER_OPTIMIZERS)
+            or bool(getattr(cls, "zero_whole_parameters", False)))
 
 
 def check_optimizer_supported(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
-    """Raise if ``optimizer``'s update cannot run on a flat shard of its parameters."""
+    """Raise, naming the optimizer, why and what to use, if ``optimizer``'s update can run neither on a
+    flat shard of its parameters nor on whole parameters (see [Note: whole-parameter step])."""
     cls = type(optimizer)
-    allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS)
     for klass in cls.__mro__:
         if klass.__name__ in _NOT_SHARDABLE:
-            raise ValueError(
-                f"{cls.__name__} cannot be sharded by ZeRO: it {_NOT_SHARDABLE[klass.__name__]}, so its update "
-                f"is not elementwise. Use one of {allowed}, or train it with DDP."
-            )
+            raise ValueError(f"{cls.__name__} cannot be trained under ZeRO: it {_NOT_SHARDABLE[klass.__name__]}.")
+    if needs_whole_parameters(cls, config):
+        on = [name for name in _NOT_WITH_WHOLE if getattr(config, name) not in (False, None)]
+        if config.low_precision_step:
+            on.append(f"optimizer_state_dtype={config.optimizer_state_dtype!r}, "
+                      f"master_weights_dtype={config.master_weights_dtype!r}")
+        if on:
+            raise ValueError(f"{cls.__name__} is stepped whole, each parameter on one rank, which does not combine with "
+                             f"{', '.join(on)} (their steps update flat shards); turn those off for {cls.__name__}.")
+        return
     if not issubclass(cls, ELEMENTWISE_OPTIMIZERS) and not config.allow_untested_optimizer:
         raise ValueError(
-            f"{cls.__name__} has not been verified to be elementwise, which ZeRO needs (each rank updates a flat "
-            f"shard). Verified: {allowed}. If its update reads nothing beyond each element's own gradient and "
-            "state, pass allow_untested_optimizer=True."
+            f"{cls.__name__} has not been verified to be elementwise, which the sharded step needs (each rank updates "
+            f"a flat shard). Known: {allowed}. If its update reads nothing beyond each element's own gradient and "
+            "state, pass allow_untested_optimizer=True; if it reads a whole parameter (its rows, columns or matrix), "
+            f"pass whole_parameter_step=True, or set zero_whole_parameters = True on {cls.__name__}."
         )
 
 

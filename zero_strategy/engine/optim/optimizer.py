@@ -34,6 +34,7 @@ from .state import consolidate_state, shard_state
 from .step.backend import PieceRef, StepBackend
 from .step.choice import build_step_backend, build_stepped, choose_step_backend
 from .step.grads import StepGradients
+from .step.whole import load_whole_state_dict, whole_state_dict
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "PieceRef", "ZeroOptimizer", "check_optimizer_supported"]
 
@@ -94,7 +95,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property  # type: ignore[override]
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """The inner optimizer's state, keyed by the stepped tensors (``pieces()``), always its current
-        dict (torch's load replaces it). See ``piece_state`` for one piece's."""
+        dict (torch's load replaces it). See ``piece_state`` for one piece's. Stepped whole (see [Note:
+        whole-parameter step] in engine/optim/step/whole.py): the owned parameters' state, keyed by
+        their whole tensors."""
+        backend = getattr(self, "step_backend", None)
+        if backend is not None and backend.whole_parameters:
+            return backend.inner.state if backend.inner is not None else {}
         return self.inner.state
 
     @state.setter
@@ -260,11 +266,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             yield
 
     def state_dict(self) -> dict[str, Any]:
+        if self.step_backend.whole_parameters:
+            return whole_state_dict(self, self.step_backend)
         with self.materialized_state():
             return consolidate_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step_backend.discard()
+        if self.step_backend.whole_parameters:
+            load_whole_state_dict(self, self.step_backend, state_dict)
+            return
         shard_state(self, state_dict)
         self.step_backend.state_loaded()
 

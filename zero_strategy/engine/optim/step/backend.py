@@ -132,6 +132,9 @@ class StepBackend:
     in engine/optim/step/grads.py)."""
     own_settings: tuple[str, ...] = ()
     """Keys of the inner optimizer's param groups the backend sets, not the user (the host kernel choice)."""
+    whole_parameters = False
+    """Each parameter is stepped whole by one rank, its state kept there (see [Note: whole-parameter step]
+    in engine/optim/step/whole.py)."""
 
     def __init__(self, stepped: Stepped, config: ZeroConfig, owner: Any) -> None:
         """``owner``: a weak proxy of the ZeroOptimizer, for backends that read it as it goes."""
@@ -146,6 +149,12 @@ class StepBackend:
     def options(cls, optimizer_cls: type, kwargs: dict[str, Any], dtypes: Sequence[torch.dtype]) -> dict[str, Any]:
         """The inner optimizer's constructor arguments, from the user's (``dtypes``: the masters')."""
         return kwargs
+
+    @classmethod
+    def build_inner(cls, optimizer_cls: type, groups: list[dict[str, Any]], kwargs: dict[str, Any]
+                    ) -> torch.optim.Optimizer:
+        """The inner optimizer over the pieces' tensors: the user's class re-created."""
+        return optimizer_cls(groups, **kwargs)
 
     @classmethod
     def group_options(cls, optimizer_cls: type, group: dict[str, Any],

@@ -14,7 +14,7 @@ import torch
 from .... import kernels
 from ....config import ZeroConfig
 from ...buffers.flat import FlatGroup
-from ..checks import ELEMENTWISE_OPTIMIZERS, constructor_kwargs
+from ..checks import ELEMENTWISE_OPTIMIZERS, constructor_kwargs, needs_whole_parameters
 from .backend import StepBackend, Stepped, master_dtypes
 from .cpu_tiles import CpuTilesStep
 from .disk import DiskStep
@@ -23,10 +23,13 @@ from .host import HostTilesStep
 from .lowp import LowPrecisionHostStep, LowPrecisionStep
 from .overlap import OverlappedStep
 from .torch_step import TorchStep
+from .whole import WholeParameterStep
 
 
 def choose_step_backend(config: ZeroConfig, cls: type, device: torch.device) -> type[StepBackend]:
     """The step backend for ``config`` and an optimizer class ``cls`` stepping pieces on ``device``."""
+    if needs_whole_parameters(cls, config):  # the modes it cannot combine with are refused in checks.py
+        return WholeParameterStep
     if config.offload_overlap:
         return OverlappedStep
     if config.offload_dir is not None:
@@ -62,7 +65,7 @@ def build_stepped(backend: type[StepBackend], optimizer: torch.optim.Optimizer, 
         for t, gi in zip(tensors[-1], user_groups[-1]):
             inner_groups[gi]["params"].append(t)
     kwargs = backend.options(cls, constructor_kwargs(cls, optimizer.defaults), dtypes)
-    return Stepped(groups, tensors, user_groups, cls(inner_groups, **kwargs), kwargs, device, rank)
+    return Stepped(groups, tensors, user_groups, backend.build_inner(cls, inner_groups, kwargs), kwargs, device, rank)
 
 
 def build_step_backend(backend: type[StepBackend], stepped: Stepped, config: ZeroConfig, owner: Any) -> StepBackend:
