@@ -90,17 +90,22 @@ CASES: dict[str, tuple[str, ...]] = {
     # issue 50: a batch norm's buffers, and the network kept in the hyper-parameters saved by ModelCheckpoint
     "bn": ("--net-in-hparams", "--stop-at", "5"),
     "bn_nobroadcast": ("--net-in-hparams", "--no-broadcast-buffers"),
+    # issue 51: Muon beside AdamW under manual optimization (each of the two steps counts as a Trainer step:
+    # 12 batches), saved after the third batch and resumed
+    "muon": ("--muon", "--steps", "24", "--stop-at", "6"),
+    "muon_bf16": ("--muon", "--steps", "24", "--precision", "bf16-mixed"),
+    "muon_fp32": ("--muon", "--steps", "24"),  # DDP's reference of muon_bf16
 }
 DDP_CASES = {**{name: CASES[name] for name in ("plain", "clip", "clip_value", "accumulate", "resume", "bn",
-                                               "bn_nobroadcast")},
+                                               "bn_nobroadcast", "muon", "muon_fp32")},
              "steps20": ("--steps", "20"),  # the fp32 reference of the mixed-precision runs
              "manual": ("--manual", "--strategy", "ddp_find_unused_parameters_true")}
 ZERO_CASES = {  # what each strategy's tests read
     "zero_stage_1": ("plain", "clip", "clip_value", "accumulate", "manual", "bf16", "fp16"),
     "zero_stage_2": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "bn",
-                     "bn_nobroadcast"),
+                     "bn_nobroadcast", "muon"),
     "zero3-linear": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "meta", "bn"),
-    "zero_stage_3": ("manual",),
+    "zero_stage_3": ("manual", "muon", "muon_bf16"),
     "zero_stage_3_offload": ("plain",),  # test_offload.py's
     "zero2-offload-overlap": ("plain", "clip", "accumulate", "resume"),  # test_offload_overlap.py's
     "zero2-local": ("accumulate",),  # local_accumulation
@@ -278,6 +283,24 @@ def test_hybrid_sharding_accumulates_and_resumes_as_ddp(tmp_root):
     assert_comm_stats_predicted(runs["accumulate"], accumulation_steps=4)
     assert all(z["comm"]["all_gather"] == z["comm"]["reduce_scatter"] == 0 for z in runs["accumulate"])
     assert_same_run(runs["resume"], ddp_run(tmp_root, "--stop-at", "5"))
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("strategy", ["zero_stage_2", "zero_stage_3"])
+def test_muon_beside_adamw_trains_saves_and_resumes_as_under_ddp(tmp_root, strategy):
+    # each Muon matrix stepped whole on one rank (see [Note: whole-parameter step]), its momentum in the
+    # sharded checkpoint that the Trainer's save_checkpoint wrote after the third batch
+    assert_same_run(zero_runs(tmp_root, strategy)["muon"], ddp_run(tmp_root, *CASES["muon"]))
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_muon_beside_adamw_in_bf16_mixed_at_stage_3_follows_fp32_ddp(tmp_root):
+    # bf16 weights, the fp32 masters gathered whole for Muon's step: as test_mixed_precision_follows_fp32_ddp
+    zero, ddp = zero_runs(tmp_root, "zero_stage_3")["muon_bf16"], ddp_run(tmp_root, *CASES["muon_fp32"])
+    for z, d in zip(zero, ddp):
+        assert len(z["losses"]) == len(d["losses"]) == 12
+        torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(d["losses"]), rtol=2e-2, atol=0)
+        assert z["params"]["body.0.weight"].dtype == torch.bfloat16
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT)

@@ -122,6 +122,29 @@ class TwoOptimizers(Classifier):
         self.trainer.optimizers[0].param_groups[0]["lr"] *= 0.9  # a schedule, stepped by hand
 
 
+class WithMuon(TwoOptimizers):
+    """Manual optimization with Muon on the body's matrices and AdamW on the rest, as Muon's users run it
+    (torch's Muon takes 2-D parameters only), one loss for both."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        muon, adamw = self.optimizers()
+        loss = F.cross_entropy(self(x), y)
+        muon.zero_grad()
+        adamw.zero_grad()
+        self.manual_backward(loss)
+        muon.step()
+        adamw.step()
+        self.losses.append(loss.item())
+        self.lrs.append(muon.param_groups[0]["lr"])
+        self.log("train_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        matrices = [p for p in self.body.parameters() if p.dim() == 2]
+        rest = [p for p in self.parameters() if p.requires_grad and all(p is not m for m in matrices)]
+        return [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=0.01)]
+
+
 class Net(nn.Module):
     """The Classifier's layers as a network of their own, with a batch norm whose running statistics
     follow each rank's batches (see [Note: buffers kept in step] in zero_strategy/engine/params/buffer_sync.py)."""
@@ -221,6 +244,7 @@ def main() -> None:
     parser.add_argument("--configure-model", action="store_true", help="build the layers in configure_model")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
+    parser.add_argument("--muon", action="store_true", help="manual optimization: Muon and AdamW")
     parser.add_argument("--clip-algorithm", default="norm", choices=["norm", "value"])
     parser.add_argument("--stop-at", type=int, default=0, help="fit to this step, save, resume in a new Trainer")
     parser.add_argument("--net-in-hparams", action="store_true",
@@ -243,7 +267,7 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     """One case: fit (with validation), validate, test, predict; save what this rank saw."""
     L.seed_everything(0)
-    model_class = TwoOptimizers if args.manual else Classifier
+    model_class = WithMuon if args.muon else TwoOptimizers if args.manual else Classifier
     if args.net_in_hparams:
         def model_class(configure_model: bool) -> NetInHparams:
             return NetInHparams(Net(), configure_model)
