@@ -245,10 +245,6 @@ class WholeParameterStep(StepBackend):
     def state_in_memory(self, decoded: bool = True) -> Iterator[None]:
         yield
 
-    def held(self) -> dict[str, list[torch.Tensor]]:
-        states = self._whole_inner.state.values() if self._whole_inner is not None else []
-        return {"master_params": [], "pending_states": [],
-                "whole_state": [v for s in states for v in s.values() if isinstance(v, torch.Tensor)]}
 
 
 def _whole(value: Any, device: torch.device) -> Any:
