@@ -83,8 +83,8 @@ class LBFGSModel(BoringModel):
         return torch.optim.LBFGS(self.parameters())
 
 
-def test_optimizer_that_cannot_be_sharded():
-    with pytest.raises(ValueError, match="LBFGS cannot be sharded by ZeRO.*Use one of SGD, Adam"):
+def test_optimizer_that_cannot_be_trained_under_zero_is_refused_saying_what_to_use():
+    with pytest.raises(ValueError, match="LBFGS cannot be trained under ZeRO: .*closure.*train it with DDP"):
         _trainer(strategy=ZeroStrategy(stage=1)).fit(LBFGSModel())
 
 
