@@ -163,6 +163,16 @@ def _loops(rank: int, world_size: int) -> dict:
             result["evaluated"] = torch.stack([model(micro_batch(50 + i, rank)[0]) for i in range(2)])
         result["params"] = whole(fabric, model)
         runs[f"{name}-bn"] = result
+    for name in ("ddp", "zero3"):  # issue 51: Muon on the blocks' matrices beside AdamW, stepped whole at stage 3
+        fabric = fabric_for("ddp" if name == "ddp" else zero(3), world_size)
+        torch.manual_seed(0)
+        net = Net()
+        matrices = [p for n, p in net.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+        rest = [p for p in net.parameters() if all(p is not m for m in matrices)]
+        model, *optimizers = fabric.setup(net, torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=0.02))
+        result = train(fabric, model, optimizers, rank)
+        result["params"] = whole(fabric, model)
+        runs[f"{name}-muon"] = result
     # precisions against fp32 with SGD, whose update is linear in the gradient (Adam's first steps follow only
     # the gradients' signs, so rounding noise in a near-zero gradient would move a weight by a whole lr)
     for precision in ("32-true", "bf16-mixed", "bf16-true", "16-mixed"):
@@ -214,6 +224,13 @@ def test_a_fabric_loop_at_every_stage_equals_fabric_ddp(loops, two):
             assert (len(got["warned"]) == 1) == (stage >= 2 and rank == 0), got["warned"]
     for name, value in loops[0]["zero3"]["params"].items():  # data parallel: the ranks agree
         assert torch.equal(value, loops[1]["zero3"]["params"][name]), name
+
+
+@pytest.mark.timeout(240)
+def test_muon_beside_adamw_in_a_fabric_loop_at_stage_3_equals_fabric_ddp(loops):
+    # accumulation under no_backward_sync and clipping each optimizer's parameters, as the loop above
+    for runs in loops:
+        assert_same(runs["zero3-muon"], runs["ddp-muon"], **FP32)
 
 
 @pytest.mark.timeout(240)
