@@ -95,17 +95,18 @@ CASES: dict[str, tuple[str, ...]] = {
     "muon": ("--muon", "--steps", "24", "--stop-at", "6"),
     "muon_bf16": ("--muon", "--steps", "24", "--precision", "bf16-mixed"),
     "muon_fp32": ("--muon", "--steps", "24"),  # DDP's reference of muon_bf16
+    "muon_one": ("--muon-one",),  # automatic optimization: MuonWithAdamW and a StepLR schedule
 }
 DDP_CASES = {**{name: CASES[name] for name in ("plain", "clip", "clip_value", "accumulate", "resume", "bn",
-                                               "bn_nobroadcast", "muon", "muon_fp32")},
+                                               "bn_nobroadcast", "muon", "muon_fp32", "muon_one")},
              "steps20": ("--steps", "20"),  # the fp32 reference of the mixed-precision runs
              "manual": ("--manual", "--strategy", "ddp_find_unused_parameters_true")}
 ZERO_CASES = {  # what each strategy's tests read
-    "zero_stage_1": ("plain", "clip", "clip_value", "accumulate", "manual", "bf16", "fp16"),
+    "zero_stage_1": ("plain", "clip", "clip_value", "accumulate", "manual", "bf16", "fp16", "muon_one"),
     "zero_stage_2": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "bn",
                      "bn_nobroadcast", "muon"),
     "zero3-linear": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "meta", "bn"),
-    "zero_stage_3": ("manual", "muon", "muon_bf16"),
+    "zero_stage_3": ("manual", "muon", "muon_bf16", "muon_one"),
     "zero_stage_3_offload": ("plain",),  # test_offload.py's
     "zero2-offload-overlap": ("plain", "clip", "accumulate", "resume"),  # test_offload_overlap.py's
     "zero2-local": ("accumulate",),  # local_accumulation
@@ -291,6 +292,12 @@ def test_muon_beside_adamw_trains_saves_and_resumes_as_under_ddp(tmp_root, strat
     # each Muon matrix stepped whole on one rank (see [Note: whole-parameter step]), its momentum in the
     # sharded checkpoint that the Trainer's save_checkpoint wrote after the third batch
     assert_same_run(zero_runs(tmp_root, strategy)["muon"], ddp_run(tmp_root, *CASES["muon"]))
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("strategy", ["zero_stage_1", "zero_stage_3"])
+def test_one_muon_with_adamw_optimizer_under_automatic_optimization_matches_ddp(tmp_root, strategy):
+    assert_same_run(zero_runs(tmp_root, strategy)["muon_one"], ddp_run(tmp_root, *CASES["muon_one"]))
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT)

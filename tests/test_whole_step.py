@@ -202,3 +202,26 @@ def test_a_sharded_checkpoint_resumes_muon_and_adamw_at_another_stage_and_world_
     alone = run_distributed(_resume_alone, 1, folder)[0]  # its loss: the mean of the two ranks' losses
     both = (torch.tensor(runs[0]["uninterrupted"]) + torch.tensor(runs[1]["uninterrupted"])) / 2
     torch.testing.assert_close(torch.tensor(alone), both, rtol=1e-5, atol=1e-6)
+
+
+def test_muon_with_adamw_is_the_two_optimizers_side_by_side_and_names_its_mistakes():
+    from zero_strategy.optimizers import MuonWithAdamW
+
+    def build(seed: int = 0):
+        torch.manual_seed(seed)
+        return Net()
+
+    one, two = build(), build()
+    combined = MuonWithAdamW([{"params": [one.fc1.weight, one.fc2.weight], "use_muon": True},
+                              {"params": [p for n, p in one.named_parameters() if n not in ("fc1.weight", "fc2.weight")],
+                               "use_muon": False}], muon={"lr": 2e-2}, adamw={"lr": 1e-2})
+    separate = _optimizers(two, "muon+adamw")  # torch's Muon(lr=2e-2) and AdamW(lr=1e-2)
+    assert _train(one, [combined], 0, None) == _train(two, separate, 0, None)
+    for p, q in zip(one.parameters(), two.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match=r"param group 0 of MuonWithAdamW has use_muon=None"):
+        MuonWithAdamW([{"params": list(one.parameters())}])
+    with pytest.raises(ValueError, match=r"Muon takes 2-D parameters only; .* shape \(40,\)"):
+        MuonWithAdamW([{"params": [one.fc1.bias], "use_muon": True}])
+    with pytest.raises(ValueError, match=r"MuonWithAdamW\(adamw=\{'nesterov': True\}\)"):
+        MuonWithAdamW([{"params": [one.fc1.bias], "use_muon": False}], adamw={"nesterov": True})

@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
     from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
     from .generation import any_rank_busy
     from .memory import count_parameters, estimate_memory, memory_stats
+    from .optimizers import MuonWithAdamW
     from .precision import ZeroPrecision
     from .strategy import ZeroStrategy
 
@@ -52,6 +53,7 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "add_config_arguments": "deepspeed.arguments", "get_accelerator": "deepspeed.accelerator",  # DeepSpeed's scripts
     "init_inference": "deepspeed.unsupported",  # raises, naming what to do instead
     "ZeroOptimizer": "engine", "gathered_parameters": "engine.params.flat_parameters",
+    "MuonWithAdamW": "optimizers",  # Muon and AdamW as one optimizer (automatic optimization)
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",
     "load_pretrained": "pretrained", "sharded_init": "pretrained",
@@ -62,7 +64,7 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
                                                                                                   # hung collectives
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
-               "fabric", "frontend", "generation", "kernels", "memory", "models", "precision", "pretrained",
+               "fabric", "frontend", "generation", "kernels", "memory", "models", "optimizers", "precision", "pretrained",
                "strategy")
 # what `import zero_strategy as deepspeed` scripts reach as deepspeed.<name> (see zero_strategy/deepspeed/)
 _SUBMODULES += ("accelerator", "checkpointing", "comm", "moe", "ops", "pipe", "utils", "zero")

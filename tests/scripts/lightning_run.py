@@ -145,6 +145,21 @@ class WithMuon(TwoOptimizers):
         return [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=0.01)]
 
 
+class WithMuonAdamW(Classifier):
+    """Automatic optimization with one optimizer: zero_strategy.optimizers.MuonWithAdamW (Muon on the
+    body's matrices, AdamW on the rest) and a StepLR schedule stepped by Lightning."""
+
+    def configure_optimizers(self):
+        from zero_strategy.optimizers import MuonWithAdamW
+
+        matrices = [p for p in self.body.parameters() if p.dim() == 2]
+        rest = [p for p in self.parameters() if p.requires_grad and all(p is not m for m in matrices)]
+        opt = MuonWithAdamW([{"params": matrices, "use_muon": True}, {"params": rest, "use_muon": False}],
+                            muon={"lr": 0.02}, adamw={"lr": 0.01})
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
 class Net(nn.Module):
     """The Classifier's layers as a network of their own, with a batch norm whose running statistics
     follow each rank's batches (see [Note: buffers kept in step] in zero_strategy/engine/params/buffer_sync.py)."""
@@ -245,6 +260,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--manual", action="store_true", help="manual optimization with two optimizers")
     parser.add_argument("--muon", action="store_true", help="manual optimization: Muon and AdamW")
+    parser.add_argument("--muon-one", action="store_true", help="automatic optimization: MuonWithAdamW")
     parser.add_argument("--clip-algorithm", default="norm", choices=["norm", "value"])
     parser.add_argument("--stop-at", type=int, default=0, help="fit to this step, save, resume in a new Trainer")
     parser.add_argument("--net-in-hparams", action="store_true",
@@ -267,7 +283,8 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     """One case: fit (with validation), validate, test, predict; save what this rank saw."""
     L.seed_everything(0)
-    model_class = WithMuon if args.muon else TwoOptimizers if args.manual else Classifier
+    model_class = (WithMuon if args.muon else WithMuonAdamW if args.muon_one else TwoOptimizers if args.manual
+                   else Classifier)
     if args.net_in_hparams:
         def model_class(configure_model: bool) -> NetInHparams:
             return NetInHparams(Net(), configure_model)
