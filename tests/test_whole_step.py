@@ -56,8 +56,8 @@ def _train(model, optimizers, rank: int, clip, accumulate: int = 1) -> list[floa
             opt.zero_grad()
         for micro in range(accumulate):  # DDP's earlier micro-batches under no_sync, the engine's all reduced
             tokens, targets = _batch(step * accumulate + micro, rank)
-            quiet = model.no_sync() if micro < accumulate - 1 and hasattr(model, "no_sync") else contextlib.nullcontext()
-            with quiet:
+            last = micro == accumulate - 1
+            with model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext():
                 loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()) / accumulate
                 loss.backward()
         if clip is not None:
@@ -212,9 +212,10 @@ def test_muon_with_adamw_is_the_two_optimizers_side_by_side_and_names_its_mistak
         return Net()
 
     one, two = build(), build()
+    matrices = ("fc1.weight", "fc2.weight")
     combined = MuonWithAdamW([{"params": [one.fc1.weight, one.fc2.weight], "use_muon": True},
-                              {"params": [p for n, p in one.named_parameters() if n not in ("fc1.weight", "fc2.weight")],
-                               "use_muon": False}], muon={"lr": 2e-2}, adamw={"lr": 1e-2})
+                              {"params": [p for n, p in one.named_parameters() if n not in matrices], "use_muon": False}],
+                             muon={"lr": 2e-2}, adamw={"lr": 1e-2})
     separate = _optimizers(two, "muon+adamw")  # torch's Muon(lr=2e-2) and AdamW(lr=1e-2)
     assert _train(one, [combined], 0, None) == _train(two, separate, 0, None)
     for p, q in zip(one.parameters(), two.parameters()):

@@ -64,8 +64,8 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
                                                                                                   # hung collectives
 }
 _SUBMODULES = ("activation", "checkpoint", "cli", "config", "data", "deepspeed", "engine",
-               "fabric", "frontend", "generation", "kernels", "memory", "models", "optimizers", "precision", "pretrained",
-               "strategy")
+               "fabric", "frontend", "generation", "kernels", "memory", "models", "optimizers", "precision",
+               "pretrained", "strategy")
 # what `import zero_strategy as deepspeed` scripts reach as deepspeed.<name> (see zero_strategy/deepspeed/)
 _SUBMODULES += ("accelerator", "checkpointing", "comm", "moe", "ops", "pipe", "utils", "zero")
 
