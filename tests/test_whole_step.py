@@ -212,10 +212,9 @@ def test_muon_with_adamw_is_the_two_optimizers_side_by_side_and_names_its_mistak
         return Net()
 
     one, two = build(), build()
-    matrices = ("fc1.weight", "fc2.weight")
+    rest = [p for n, p in one.named_parameters() if n not in ("fc1.weight", "fc2.weight")]
     combined = MuonWithAdamW([{"params": [one.fc1.weight, one.fc2.weight], "use_muon": True},
-                              {"params": [p for n, p in one.named_parameters() if n not in matrices], "use_muon": False}],
-                             muon={"lr": 2e-2}, adamw={"lr": 1e-2})
+                              {"params": rest, "use_muon": False}], muon={"lr": 2e-2}, adamw={"lr": 1e-2})
     separate = _optimizers(two, "muon+adamw")  # torch's Muon(lr=2e-2) and AdamW(lr=1e-2)
     assert _train(one, [combined], 0, None) == _train(two, separate, 0, None)
     for p, q in zip(one.parameters(), two.parameters()):
