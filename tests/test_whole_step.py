@@ -91,7 +91,10 @@ def _ddp_vs_zero(rank: int, world_size: int, stage: int, kind: str, accumulate: 
                    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters())}
     states = [(z.state_dict(), d.state_dict()) for z, d in zip(zopts, ddp_opts)]
     owned = [len(z.state) if z.step_backend.whole_parameters else None for z in zopts]
-    return {"losses": (zero_losses, ddp_losses), "weights": weights, "states": states, "owned": owned}
+    plan = zopts[0].step_backend.plan  # Muon's, or Adafactor's: which rank steps each parameter
+    bound = sum(p.numel for p in plan.params) / world_size + max(p.numel for p in plan.params)
+    return {"losses": (zero_losses, ddp_losses), "weights": weights, "states": states, "owned": owned,
+            "owned_elements": sum(p.numel for p in plan.owned), "bound": bound}
 
 
 def _assert_same_state(mine: dict, theirs: dict) -> None:
@@ -131,6 +134,8 @@ def test_whole_parameter_optimizers_train_as_under_ddp(case):
     assert whole == [0]  # Muon, or Adafactor
     assert sum(r["owned"][0] for r in results) == len(results[0]["states"][0][1]["state"])
     assert all(r["owned"][0] > 0 for r in results)  # shared out
+    # no rank steps more than its share plus the largest parameter (the state is per element or less)
+    assert all(r["owned_elements"] <= r["bound"] for r in results), [(r["owned_elements"], r["bound"]) for r in results]
 
 
 SAVE_AT = 5
@@ -225,3 +230,40 @@ def test_muon_with_adamw_is_the_two_optimizers_side_by_side_and_names_its_mistak
         MuonWithAdamW([{"params": [one.fc1.bias], "use_muon": True}])
     with pytest.raises(ValueError, match=r"MuonWithAdamW\(adamw=\{'nesterov': True\}\)"):
         MuonWithAdamW([{"params": [one.fc1.bias], "use_muon": False}], adamw={"nesterov": True})
+
+
+def _initialize_vs_ddp(rank: int, world_size: int) -> dict:
+    """DeepSpeed's loop (``initialize`` with a client optimizer, ``engine.backward``, ``engine.step``) at
+    stage 3 with MuonWithAdamW, against DDP with the same optimizer."""
+    from zero_strategy import initialize
+    from zero_strategy.optimizers import MuonWithAdamW
+
+    def optimizer(model: Net) -> MuonWithAdamW:
+        matrices = [model.fc1.weight, model.fc2.weight]
+        rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+        return MuonWithAdamW([{"params": matrices, "use_muon": True}, {"params": rest, "use_muon": False}],
+                             muon={"lr": 2e-2}, adamw={"lr": 1e-2})
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(reference)
+    ddp_losses = _train(ddp, [optimizer(reference)], rank, None)
+    config = {"train_micro_batch_size_per_gpu": 6, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = initialize(model=model, optimizer=optimizer(model), config=config)
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = _batch(step, rank)
+        loss = F.cross_entropy(engine(tokens).flatten(0, 1), targets.flatten())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": (losses, ddp_losses)}
+
+
+@pytest.mark.timeout(180)
+def test_muon_with_adamw_through_initialize_at_stage_3_equals_ddp():
+    for result in run_distributed(_initialize_vs_ddp, 2):
+        zero_losses, ddp_losses = result["losses"]
+        torch.testing.assert_close(torch.tensor(zero_losses), torch.tensor(ddp_losses), rtol=1e-6, atol=1e-6)
