@@ -30,7 +30,6 @@ every rank), so it loads at any world size and stage and from a DDP run.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -241,9 +240,6 @@ class WholeParameterStep(StepBackend):
             if entry:
                 self._whole_inner.state[tensor] = {k: _whole(v, tensor.device) for k, v in entry.items()}
 
-    @contextlib.contextmanager
-    def state_in_memory(self, decoded: bool = True) -> Iterator[None]:
-        yield
 
 
 
