@@ -224,6 +224,14 @@ def test_muon_with_adamw_is_the_two_optimizers_side_by_side_and_names_its_mistak
     assert _train(one, [combined], 0, None) == _train(two, separate, 0, None)
     for p, q in zip(one.parameters(), two.parameters()):
         assert torch.equal(p, q)
+    # its state dict resumes it, as torch's optimizers' do (load_state_dict replaces the state it steps with)
+    three = build()
+    three.load_state_dict(two.state_dict())
+    others = [p for n, p in three.named_parameters() if n not in ("fc1.weight", "fc2.weight")]
+    resumed = MuonWithAdamW([{"params": [three.fc1.weight, three.fc2.weight], "use_muon": True},
+                             {"params": others, "use_muon": False}], muon={"lr": 2e-2}, adamw={"lr": 1e-2})
+    resumed.load_state_dict(copy.deepcopy(combined.state_dict()))  # torch's load keeps the tensors it is given
+    assert _train(three, [resumed], 1, None) == _train(one, [combined], 1, None)
     with pytest.raises(ValueError, match=r"param group 0 of MuonWithAdamW has use_muon=None"):
         MuonWithAdamW([{"params": list(one.parameters())}])
     with pytest.raises(ValueError, match=r"Muon takes 2-D parameters only; .* shape \(40,\)"):

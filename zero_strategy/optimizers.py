@@ -43,31 +43,22 @@ class MuonWithAdamW(torch.optim.Optimizer):
             raise ValueError("MuonWithAdamW takes param groups, each with use_muon=True (Muon: 2-D parameters) or "
                              "use_muon=False (AdamW): [{'params': matrices, 'use_muon': True}, {'params': rest, "
                              "'use_muon': False}].")
-        for i, group in enumerate(groups):
-            params = group["params"]
-            group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
-            if not isinstance(group.get("use_muon"), bool):
-                raise ValueError(f"param group {i} of MuonWithAdamW has use_muon={group.get('use_muon')!r}; give "
-                                 "each group use_muon=True (stepped by Muon) or use_muon=False (stepped by AdamW).")
-            for key, value in (self._muon_defaults if group["use_muon"] else self._adamw_defaults).items():
-                group.setdefault(key, value)
-        flat = [p for g in groups if g["use_muon"] for p in g["params"] if p.dim() != 2]
+        super().__init__(groups, {"muon": dict(muon or {}), "adamw": dict(adamw or {})})  # add_param_group each
+        # torch's own classes step the groups, over this optimizer's state; their groups and state are set at
+        # each step, as load_state_dict replaces this optimizer's
+        self._muon, self._adamw = torch.optim.Muon([{"params": []}]), torch.optim.AdamW([{"params": []}])
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        use_muon, params = param_group.get("use_muon"), param_group["params"]
+        if not isinstance(use_muon, bool):
+            raise ValueError(f"param group {len(self.param_groups)} of MuonWithAdamW has use_muon={use_muon!r}; give "
+                             "each group use_muon=True (stepped by Muon) or use_muon=False (stepped by AdamW).")
+        param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+        flat = [p for p in param_group["params"] if use_muon and p.dim() != 2]
         if flat:
             raise ValueError(f"Muon takes 2-D parameters only; a use_muon=True group holds one of shape "
                              f"{tuple(flat[0].shape)}: put it in a use_muon=False group (AdamW).")
-        super().__init__(groups, {"muon": dict(muon or {}), "adamw": dict(adamw or {})})
-        self._parts: list[torch.optim.Optimizer] = []
-        for use_muon, cls in ((True, torch.optim.Muon), (False, torch.optim.AdamW)):
-            mine = [g for g in self.param_groups if g["use_muon"] is use_muon]
-            if mine:
-                part = cls([{"params": []}])  # the class over this optimizer's own group dicts and state
-                part.param_groups = mine
-                part.state = self.state
-                self._parts.append(part)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        defaults = self._muon_defaults if param_group.get("use_muon") else self._adamw_defaults
-        for key, value in defaults.items():
+        for key, value in (self._muon_defaults if use_muon else self._adamw_defaults).items():
             param_group.setdefault(key, value)
         super().add_param_group(param_group)
 
@@ -77,8 +68,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for part in self._parts:
-            part.step()
+        for part, use_muon in ((self._muon, True), (self._adamw, False)):
+            part.param_groups = [g for g in self.param_groups if g["use_muon"] is use_muon]
+            part.state = self.state
+            if part.param_groups:
+                part.step()
         return loss
 
 

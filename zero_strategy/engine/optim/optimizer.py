@@ -30,11 +30,9 @@ from ..grads.reducer import make_reducer
 from ..grads.scaler import LossScaler
 from ..params.flat_parameters import FlatParameters
 from .checks import ELEMENTWISE_OPTIMIZERS, check_optimizer_supported, check_parameters, check_same_config
-from .state import consolidate_state, shard_state
 from .step.backend import PieceRef, StepBackend
 from .step.choice import build_step_backend, build_stepped, choose_step_backend
 from .step.grads import StepGradients
-from .step.whole import load_whole_state_dict, whole_state_dict
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "PieceRef", "ZeroOptimizer", "check_optimizer_supported"]
 
@@ -98,10 +96,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         dict (torch's load replaces it). See ``piece_state`` for one piece's. Stepped whole (see [Note:
         whole-parameter step] in engine/optim/step/whole.py): the owned parameters' state, keyed by
         their whole tensors."""
-        backend = getattr(self, "step_backend", None)
-        if backend is not None and backend.whole_parameters:
-            return backend.inner.state if backend.inner is not None else {}
-        return self.inner.state
+        backend = getattr(self, "step_backend", None)  # torch's __init__ reads it before the backend exists
+        return backend.state if backend is not None else self.inner.state
 
     @state.setter
     def state(self, value: dict[torch.Tensor, dict[str, Any]]) -> None:  # torch's __init__ sets an empty one
@@ -266,18 +262,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             yield
 
     def state_dict(self) -> dict[str, Any]:
-        if self.step_backend.whole_parameters:
-            return whole_state_dict(self, self.step_backend)
-        with self.materialized_state():
-            return consolidate_state(self)
+        return self.step_backend.full_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step_backend.discard()
-        if self.step_backend.whole_parameters:
-            load_whole_state_dict(self, self.step_backend, state_dict)
-            return
-        shard_state(self, state_dict)
-        self.step_backend.state_loaded()
+        self.step_backend.load_full_state_dict(self, state_dict)
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes this rank sent since the step before the last one ended, through the last one's end

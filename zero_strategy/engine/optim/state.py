@@ -46,18 +46,18 @@ def _agree_on_kinds(zopt, local: dict[str, tuple[str, str]]) -> dict[str, tuple[
     return dict(sorted(merged.items()))
 
 
-def _param_index(zopt) -> dict[torch.nn.Parameter, int]:
+def param_index(zopt) -> dict[torch.nn.Parameter, int]:
     return {p: i for i, p in enumerate(p for g in zopt.param_groups for p in g["params"])}
 
 
-def _param_groups_out(zopt, index: dict) -> list[dict[str, Any]]:
+def param_groups_out(zopt, index: dict) -> list[dict[str, Any]]:
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
             for g in zopt.param_groups]
 
 
 def consolidate_state(zopt) -> dict[str, Any]:
     """Full optimizer state (CPU tensors) keyed by parameter index, on every rank."""
-    index = _param_index(zopt)
+    index = param_index(zopt)
     state: dict[int, dict[str, Any]] = {}
     for g, refs in by_group(zopt):
         kinds = {k: _kind(v) for ref in refs for k, v in zopt.piece_state(ref).items()}
@@ -90,7 +90,7 @@ def consolidate_state(zopt) -> dict[str, Any]:
                 zopt.comm.all_reduce(values, op=dist.ReduceOp.MAX, what=lambda: f"all-reduce of optimizer state {key!r}")
                 for i in with_state:
                     state[index[g.params[i]]][key] = _number(values[i].item(), kind, dtype)
-    return {"state": state, "param_groups": _param_groups_out(zopt, index)}
+    return {"state": state, "param_groups": param_groups_out(zopt, index)}
 
 
 def _full_param(group, gathered: torch.Tensor, i: int) -> torch.Tensor:
@@ -121,19 +121,8 @@ def shard_state(zopt, state_dict: dict[str, Any]) -> None:
 
     Elementwise values may be tensors, or objects that read a range on demand (see ``_piece_of``).
     """
-    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-        raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'; "
-                         f"got {sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
+    saved_id = saved_ids(zopt, state_dict)
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(zopt.param_groups):
-        raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer has "
-                         f"{len(zopt.param_groups)}: it was saved for a different configure_optimizers.")
-    for gi, (saved, group) in enumerate(zip(saved_groups, zopt.param_groups)):
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(f"param group {gi} has {len(saved['params'])} parameters in the state dict and "
-                             f"{len(group['params'])} here: the checkpoint is for a different model.")
-    # saved parameter ids may be any integers: map them through the group order, as torch does
-    saved_id = {p: sid for saved, g in zip(saved_groups, zopt.param_groups) for p, sid in zip(g["params"], saved["params"])}
     saved_state = state_dict["state"]
 
     inner_state: dict[int, dict[str, Any]] = {}
@@ -156,5 +145,28 @@ def shard_state(zopt, state_dict: dict[str, Any]) -> None:
     inner_groups = [{**saved, "params": [inner_index[t] for t in g["params"]]}
                     for saved, g in zip(saved_groups, zopt.inner.param_groups)]
     zopt.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+    take_settings(zopt, saved_groups)
+
+
+def saved_ids(zopt, state_dict: dict[str, Any]) -> dict[torch.nn.Parameter, Any]:
+    """Each of ``zopt``'s parameters' id in ``state_dict`` (an unsharded optimizer state dict), which must
+    fit this optimizer's param groups. Saved ids may be any integers: they map through the group order,
+    as torch maps them."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'; "
+                         f"got {sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(zopt.param_groups):
+        raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer has "
+                         f"{len(zopt.param_groups)}: it was saved for a different configure_optimizers.")
+    for gi, (saved, group) in enumerate(zip(saved_groups, zopt.param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(f"param group {gi} has {len(saved['params'])} parameters in the state dict and "
+                             f"{len(group['params'])} here: the checkpoint is for a different model.")
+    return {p: sid for saved, g in zip(saved_groups, zopt.param_groups) for p, sid in zip(g["params"], saved["params"])}
+
+
+def take_settings(zopt, saved_groups: list[dict[str, Any]]) -> None:
+    """The saved param groups' hyperparameters into ``zopt``'s (the user's: LR schedulers see them)."""
     for saved, group in zip(saved_groups, zopt.param_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})

@@ -38,6 +38,7 @@ import torch
 from ....config import ZeroConfig
 from ...buffers.flat import FlatGroup
 from ...buffers.layout import Piece
+from ..state import consolidate_state, shard_state
 from ..tiles import Settings
 from .grads import StepGradients
 
@@ -166,6 +167,21 @@ class StepBackend:
     def segment_listener(self) -> Optional[Any]:
         """Told by the gradient reducer when a segment's gradient reached its host shard, or None."""
         return None
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """The optimizer state: the inner optimizer's, keyed by the stepped tensors."""
+        return self.stepped.state
+
+    def full_state_dict(self, zopt: Any) -> dict[str, Any]:
+        """``zopt``'s state in the unsharded layout of torch's ``state_dict()`` (a collective)."""
+        with self.state_in_memory():
+            return consolidate_state(zopt)
+
+    def load_full_state_dict(self, zopt: Any, state_dict: dict[str, Any]) -> None:
+        """The inverse of ``full_state_dict``, from any world size and stage (a collective)."""
+        shard_state(zopt, state_dict)
+        self.state_loaded()
 
     def update(self, grads: StepGradients) -> None:
         """Step every piece with a gradient in ``grads`` (reduced, unscaled and clipped, or owing
