@@ -324,6 +324,9 @@ def test_stage3_fields():
         ZeroConfig(collective_timeout=0)
     with pytest.raises(ValueError, match=r"check_unit_order='yes' must be True or False"):
         ZeroConfig(check_unit_order="yes")
+    for name in ("allow_untested_optimizer", "whole_parameter_step"):
+        with pytest.raises(ValueError, match=rf"{name}='yes' must be True or False"):
+            ZeroConfig(**{name: "yes"})
 
 
 def test_every_front_end_takes_every_engine_setting_with_its_default():

@@ -339,6 +339,9 @@ class ZeroConfig:
                 f"bucket_cap_mb={cap!r} must be a positive, finite number of MiB (DDP's default is 25)."
             )
 
+        for name in ("allow_untested_optimizer", "whole_parameter_step"):  # how the optimizer is stepped
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         _module_targets(self, "shard_modules")
         _module_targets(self, "activation_checkpointing")
         if self.unit_params is not None and (type(self.unit_params) is not int or self.unit_params < 1):
