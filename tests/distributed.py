@@ -26,6 +26,18 @@ must behave as it would on fresh processes:
   ran in the background, competing for the cores, until test_hf_export.py set LOCAL_RANK.)
 What a pool cannot undo is process-wide state fixed at start-up (variables read when a process
 starts, such as ``MALLOC_*``, or a measured peak resident set): such tests pass ``fresh=True``.
+
+[Note: workers forked from a loaded process]
+Importing torch, Lightning (with what it pulls in: torchmetrics, transformers, torch._dynamo) and this
+package costs a new process about 8 CPU-seconds, and a suite starts a few dozen workers (a pool per
+world size, a new one after every failed or group-breaking call, the tests of this file). So workers
+are forked from multiprocessing's fork server, which imports ``PRELOAD`` once, when the first pool
+starts: a worker starts with those modules imported, as a spawned one has them once it imported
+them, without paying again. Nothing else is shared: each worker still joins its own gloo group and
+puts back a fresh state before every call. ``fresh=True`` calls (state fixed at start-up, such as
+``MALLOC_*`` or the peak resident set, which a fork inherits) keep spawning new interpreters, as does
+a platform without ``fork``. The fork server's parent is pytest, so workers check that pytest still
+lives, not their parent (the fork server).
 """
 
 from __future__ import annotations
@@ -58,6 +70,9 @@ import torch.optim.optimizer as optimizer_hooks
 DEFAULT_CALL_TIMEOUT_S = 100.0  # outside pytest; inside, the test's own timeout less a margin (conftest.py)
 TIMEOUT_ENV = "ZERO_TEST_CALL_TIMEOUT"  # seconds; overrides both, for slow or loaded machines
 GRACE_S = 10.0  # after one rank fails, how long the others get to report (a peer's collective errors at once)
+PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "transformers", "zero_strategy",
+           "zero_strategy.strategy", "tests.distributed")
+"""Imported once by the fork server that starts the workers (see [Note: workers forked from a loaded process])."""
 STACK_SIGNAL = signal.SIGUSR2  # not Lightning's SLURM requeue signal (SIGUSR1)
 _HOOK_DICTS = [getattr(module_hooks, name) for name in dir(module_hooks) if name.startswith("_global_")
                and isinstance(getattr(module_hooks, name), dict)] + [
@@ -174,24 +189,33 @@ def _group_usable(call_id: int, world_size: int) -> bool:
         return False
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (the pid was reused)
+        return True
+    return True
+
+
 def _next_task(tasks, parent: int):
-    """The next task, or None (stop) once the process that started this worker is gone: a pytest
-    killed without closing its pools must not leave workers waiting for it forever."""
+    """The next task, or None (stop) once the process that started this worker's pool is gone: a
+    pytest killed without closing its pools must not leave workers waiting for it forever."""
     while True:
         try:
             return tasks.get(timeout=5.0)
         except queue.Empty:
-            if os.getppid() != parent:
+            if not _alive(parent):
                 return None
 
 
-def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: str) -> None:
+def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: str, parent: int) -> None:
     """A worker: join the group, then run calls until told to stop (None) or a call raises.
 
     Each call sends two reports: ("result", call, rank, bytes, traceback), then, once every rank
     has checked the group with one all_reduce, ("group", call, rank, usable, None).
     """
-    parent = os.getppid()
     dist_env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.update(dist_env)
     stacks = open(stack_path, "w")  # noqa: SIM115 - faulthandler writes here until the process ends
@@ -239,11 +263,20 @@ def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: st
 # ---- the parent side ---------------------------------------------------------------------------
 
 
+def _context(fresh: bool):
+    """Where workers come from: see [Note: workers forked from a loaded process]."""
+    if fresh or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 class _Pool:
     """``world_size`` worker processes in one gloo group, running one call at a time."""
 
-    def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+    def __init__(self, world_size: int, fresh: bool = False) -> None:
+        ctx = _context(fresh)
         self.world_size = world_size
         self.usable = True  # False once a call failed or left the group broken: replace the pool
         self.calls = 0
@@ -252,7 +285,7 @@ class _Pool:
         self.folder = tempfile.mkdtemp(prefix="zero-test-workers-")
         port = free_port()
         self.procs = [ctx.Process(target=_serve, daemon=True, name=f"zero-test-rank{r}",
-                                  args=(r, world_size, port, self.tasks[r], self.reports, self._stack_path(r)))
+                                  args=(r, world_size, port, self.tasks[r], self.reports, self._stack_path(r), os.getpid()))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -416,7 +449,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, fre
                          f"(the function to run comes first: run_distributed(fn, 2, *args)).")
     deadline = _call_deadline(timeout_s)
     if fresh:
-        pool = _Pool(world_size)
+        pool = _Pool(world_size, fresh=True)
         try:  # the results are in once run returns: the processes are ended, not asked to leave the group
             return pool.run(fn, args, deadline, check_group=False)  # (whose teardown waits 10 s per rank
         finally:                                                    # after a call that diverged on purpose)
