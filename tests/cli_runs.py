@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -46,28 +47,145 @@ def run(cmd: list[str], cwd: Path, timeout: float = 240, check: bool = True) -> 
     return proc
 
 
-Commands = dict[str, tuple[list[str], dict[str, str], Optional[Path]]]
-"""name -> argv, environment, folder."""
+Commands = dict[str, tuple]
+"""name -> (argv, environment, folder) for a process, or (argv, environment, folder, ranks) for a
+script's ``ranks`` processes forked from the fork server (see [Note: ranks forked from a loaded process])."""
+
+
+# ---- ranks forked from a loaded process --------------------------------------------------------
+#
+# [Note: ranks forked from a loaded process]
+# A script that trains on 2 ranks through Lightning or Fabric (tests/scripts/*_run.py, the example
+# projects) spends about 8 CPU-seconds per process importing torch, Lightning and this package before
+# its first step, as much as many of its runs take. Where a test is about what the script trains, not
+# about how it is started, its command is given ``ranks`` (a 4th element): both ranks are then forked
+# from the fork server that the worker pool uses (see [Note: workers forked from a loaded process] in
+# tests/distributed.py), which imported those modules once, and each runs the script as ``python
+# script.py ARGS`` would (``runpy`` as ``__main__``, the script's folder first on ``sys.path``, its
+# arguments, environment, folder and ``PYTHONWARNINGS``; an exception to ``sys.excepthook``, exit codes, non-daemon
+# threads and ``atexit`` handlers as at an interpreter's end), with the variables Lightning's launcher
+# gives the rank it starts (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``):
+# as under torchrun, no rank relaunches the script. Both write to the same two files, as a child that
+# inherits rank 0's output does, and the launch fails when any rank does. The launches about starting
+# (the README's main job, zero-train, torchrun, Fabric's launcher, zero-launch) stay real processes.
+
+
+def _exit_code(stop: SystemExit) -> int:
+    """What the interpreter exits with for ``raise SystemExit(code)`` (a message: printed, then 1)."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def _run_rank(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """One rank of a forked launch: ``python argv[1:]`` in this (forked) process."""
+    import atexit
+    import runpy
+    import threading
+    import warnings
+
+    for fd, path in ((1, out), (2, err)):
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = list(argv[1:])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+    for option in filter(None, env.get("PYTHONWARNINGS", "").split(",")):
+        warnings._setoption(option)  # what the interpreter does with $PYTHONWARNINGS at start-up
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = _exit_code(stop)
+    except BaseException:  # noqa: BLE001 - to sys.excepthook (which may be the package's), exit code 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # the interpreter's end: threading's exit hooks, non-daemon threads, then atexit
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class ForkedRanks:
+    """A script's ranks forked from the fork server, with what tests read of a ``subprocess.Popen``:
+    ``args``, ``pid`` (rank 0's; ``pids``: all), ``poll``, ``wait``, ``kill`` and ``returncode`` (the
+    first failing rank's code, else 0); ``logs``: the two output files, as ``_start`` sets on a process."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Optional[Path], ranks: int, out: Path,
+                 err: Path) -> None:
+        from .distributed import _context, free_port
+
+        self.args, self.logs = argv, (out, err)
+        launcher = {"NODE_RANK": "0", "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": env.get("MASTER_PORT") or str(free_port())}
+        ctx = _context(fresh=False)
+        self.procs = [ctx.Process(target=_run_rank, name=f"rank{r}", args=(
+            [str(a) for a in argv], {**env, **launcher, "LOCAL_RANK": str(r)}, str(cwd or os.getcwd()), str(out),
+            str(err))) for r in range(ranks)]
+        for proc in self.procs:
+            proc.start()
+        self.pids = [proc.pid for proc in self.procs]
+        self.pid = self.pids[0]
+
+    @property
+    def returncode(self) -> Optional[int]:
+        codes = [proc.exitcode for proc in self.procs]
+        if None in codes:
+            return None
+        return next((code for code in codes if code != 0), 0)
+
+    def poll(self) -> Optional[int]:
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(None if end is None else max(0.0, end - time.monotonic()))
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.join()
+
+
+def _start(command: tuple, logs: Path, name: str, port: bool):
+    """A command's process (output to files in ``logs``), or its forked ranks; with a MASTER_PORT of its
+    own when ``port``."""
+    cmd, env, cwd, *ranks = command
+    from .distributed import free_port
+
+    env = {**env, "MASTER_PORT": str(free_port())} if port else {k: v for k, v in env.items() if k != "MASTER_PORT"}
+    out, err = logs / f"{name}.stdout", logs / f"{name}.stderr"
+    if ranks:
+        return ForkedRanks(cmd, env, cwd, ranks[0], out, err)
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=stdout, stderr=stderr)
+    proc.logs = (out, err)
+    return proc
 
 
 @contextlib.contextmanager
 def started(commands: Commands) -> Iterator[dict[str, subprocess.Popen]]:
     """Start every command together, each with a MASTER_PORT of its own so that their launches
-    cannot meet; name -> the running process. Much of a Lightning launch is importing on one core,
-    which other work fills: run it inside the ``with``, then ``finish``. Whatever still runs when the
-    ``with`` ends is killed."""
-    from .distributed import free_port
-
-    procs = {name: subprocess.Popen(cmd, cwd=cwd, env={**env, "MASTER_PORT": str(free_port())}, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, (cmd, env, cwd) in commands.items()}
-    try:
-        yield procs
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    cannot meet; name -> the running process (or forked ranks). Much of a Lightning launch is
+    importing on one core, which other work fills: run it inside the ``with``, then ``finish``.
+    Whatever still runs when the ``with`` ends is killed."""
+    with tempfile.TemporaryDirectory(prefix="zero-test-launch-") as logs:
+        procs = {name: _start(command, Path(logs), name, port=True) for name, command in commands.items()}
+        try:
+            yield procs
+        finally:
+            kill(procs)
 
 
 def finish(procs: dict[str, subprocess.Popen], start: float, timeout: float
@@ -77,8 +195,9 @@ def finish(procs: dict[str, subprocess.Popen], start: float, timeout: float
     seen finished)."""
     done = {}
     for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=max(1.0, start + timeout - time.monotonic()))
-        done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+        proc.wait(timeout=max(1.0, start + timeout - time.monotonic()))
+        out, err = proc.logs
+        done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text()),
                       time.monotonic() - start)
     return done
 
@@ -143,8 +262,9 @@ def _descendant_threads(pid: int) -> list[int]:
 
 def _set_priority(procs: dict[str, subprocess.Popen], idle: bool) -> None:
     policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-    for proc in procs.values():
-        for tid in _descendant_threads(proc.pid) if not idle else [proc.pid]:
+    pids = [pid for proc in procs.values() for pid in getattr(proc, "pids", [proc.pid])]
+    for pid in pids:
+        for tid in _descendant_threads(pid) if not idle else [pid]:
             try:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
             except OSError:  # ended meanwhile, or not allowed: it runs as it is
@@ -155,13 +275,8 @@ def popen_logged(commands: Commands, logs: Path) -> dict[str, subprocess.Popen]:
     """Start the commands, their output to files in ``logs``, without a MASTER_PORT: each Lightning
     launch finds a free port itself when it starts. A port picked here would sit unused while the
     launch waits at idle priority, minutes in which any other process may take it (a DDP launch of
-    test_lightning.py once failed so: EADDRINUSE)."""
-    procs = {}
-    for name, (cmd, env, cwd) in commands.items():
-        env = {k: v for k, v in env.items() if k != "MASTER_PORT"}
-        with open(logs / f"{name}.stdout", "w") as out, open(logs / f"{name}.stderr", "w") as err:
-            procs[name] = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=out, stderr=err)
-    return procs
+    test_lightning.py once failed so: EADDRINUSE). Forked ranks take theirs when they start."""
+    return {name: _start(command, logs, name, port=False) for name, command in commands.items()}
 
 
 def start_early(module_names: set[str], folder_for: Callable[[str], Path]) -> None:
@@ -180,7 +295,7 @@ def start_early(module_names: set[str], folder_for: Callable[[str], Path]) -> No
 def adopt(name: str, folder_for: Callable[[str], Path]) -> tuple[dict[str, subprocess.Popen], Path, Path]:
     """The early launch ``name`` (started now if it was not), back at normal priority and still
     running: (name -> process, the folder of their output files, the folder its commands were built
-    for). The caller waits for them (``finish_logged``) and kills what still runs (``kill``)."""
+    for). The caller waits for them (``finish``) and kills what still runs (``kill``)."""
     if name in _early:
         procs, logs, base = _early.pop(name)
         _set_priority(procs, idle=False)
@@ -188,17 +303,6 @@ def adopt(name: str, folder_for: Callable[[str], Path]) -> tuple[dict[str, subpr
         logs, base = folder_for(f"{name}-logs"), folder_for(name)
         procs = popen_logged(EARLY[name][1](base), logs)
     return procs, logs, base
-
-
-def finish_logged(procs: dict[str, subprocess.Popen], logs: Path, start: float, timeout: float
-                  ) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
-    """``finish`` for processes that write to files in ``logs`` (``popen_logged``, ``adopt``)."""
-    done = {}
-    for key, proc in procs.items():
-        proc.wait(timeout=max(1.0, start + timeout - time.monotonic()))
-        done[key] = (subprocess.CompletedProcess(proc.args, proc.returncode, (logs / f"{key}.stdout").read_text(),
-                                                 (logs / f"{key}.stderr").read_text()), time.monotonic() - start)
-    return done
 
 
 def take(name: str, folder_for: Callable[[str], Path], timeout: float
@@ -209,7 +313,7 @@ def take(name: str, folder_for: Callable[[str], Path], timeout: float
     start = time.monotonic()
     procs, logs, base = adopt(name, folder_for)
     try:
-        return finish_logged(procs, logs, start, timeout), base
+        return finish(procs, start, timeout), base
     finally:
         kill(procs)
 

@@ -18,7 +18,7 @@ from zero_strategy import estimate_memory
 from zero_strategy.checkpoint import is_sharded_checkpoint
 from zero_strategy.cli.report import format_bytes
 
-from .cli_runs import (EARLY, Commands, adopt, assert_succeeded, clean_env, finish_logged, kill, metric_rows,
+from .cli_runs import (EARLY, Commands, adopt, assert_succeeded, clean_env, finish, kill, metric_rows,
                        popen_logged, script, summaries)
 
 CLI_CASES = Path(__file__).parent / "scripts" / "cli_cases.py"
@@ -199,7 +199,7 @@ def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
         while procs["sweep"].poll() is None and not all((zero2 / f"summary_rank{r}.json").exists() for r in (0, 1)):
             time.sleep(0.2)
         procs.update(popen_logged(_resume(base), logs))
-        done = finish_logged(procs, logs, start, timeout=400)
+        done = finish(procs, start, timeout=400)
     finally:
         kill(procs)
     return {name: (proc, base / name) for name, (proc, _) in done.items()}

@@ -86,7 +86,7 @@ def _runs(out: str) -> tuple[dict, dict, subprocess.CompletedProcess]:
     ``out``) imports Lightning on one core while the pool's ranks compile and train. Returns each
     pool rank's cases and the launch's finished process."""
     start = time.monotonic()
-    with started({"trainer": ([sys.executable, str(SCRIPT), "--out", out], clean_env(), None)}) as procs:
+    with started({"trainer": ([sys.executable, str(SCRIPT), "--out", out], clean_env(), None, 2)}) as procs:
         ranks = run_distributed(_compiled_vs_eager, 2, timeout_s=240)
         trainer, _ = finish(procs, start, timeout=280)["trainer"]
     return *ranks, trainer

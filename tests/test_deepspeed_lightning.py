@@ -30,9 +30,9 @@ def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
     other runs): name -> (the finished process, the folder its ranks wrote to)."""
     out = {name: tmp_path_factory.mktemp(name) for name in ("config", "resume")}
     runs = run_at_once({
-        "config": ([sys.executable, str(SCRIPT), "--out", str(out["config"])], clean_env(), None),
+        "config": ([sys.executable, str(SCRIPT), "--out", str(out["config"])], clean_env(), None, 2),
         "resume": ([sys.executable, str(RESUME_SCRIPT), "--case", RESUMED_CASE, "--stage", "3", "--out",
-                    str(out["resume"])], clean_env(), None),
+                    str(out["resume"])], clean_env(), None, 2),
     }, timeout=280)
     return {name: (proc, out[name]) for name, (proc, _) in runs.items()}
 

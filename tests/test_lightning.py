@@ -16,22 +16,21 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from .cli_runs import EARLY, Commands, take
-from .distributed import free_port
+from .cli_runs import EARLY, Commands, run_at_once, take
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
 
 
 def script_command(out: Path, strategy: str, *extra: str, script: Path = SCRIPT) -> tuple[list[str], dict[str, str]]:
-    """The script's command line and environment, as a user would run it (no launcher's variables:
-    Lightning's popen launcher starts rank 1 itself)."""
+    """The script's command line and environment, as a user would run it (no launcher's variables of
+    its own: its 2 ranks are forked with those Lightning gives the ranks it starts, see [Note: ranks
+    forked from a loaded process] in tests/cli_runs.py)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -43,11 +42,10 @@ def assert_ran(proc, strategy: str) -> None:
 
 
 def run_script(out: Path, strategy: str, *extra: str, script: Path = SCRIPT, timeout: int = 240) -> None:
-    """Run the script as a user would; it must succeed."""
+    """Run the script's 2 ranks (forked: see ``script_command``); they must succeed."""
     out.mkdir(parents=True, exist_ok=True)
     cmd, env = script_command(out, strategy, *extra, script=script)
-    env["MASTER_PORT"] = str(free_port())  # a port of its own: launches may run at the same time
-    assert_ran(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout), strategy)
+    assert_ran(run_at_once({strategy: (cmd, env, None, 2)}, timeout)[strategy][0], strategy)
 
 
 def results(folder: Path) -> list[dict]:
@@ -130,7 +128,7 @@ def _commands(base: Path) -> Commands:
     commands = {}
     for strategy, cases in _strategies().items():
         (base / strategy).mkdir()
-        commands[strategy] = (*script_command(base / strategy, strategy, *cases_args(cases)), None)
+        commands[strategy] = (*script_command(base / strategy, strategy, *cases_args(cases)), None, 2)
     return commands
 
 

@@ -51,8 +51,9 @@ def _commands(base: Path) -> Commands:
     # the README's exact arguments; only the length is capped (the full run takes about 1.5 minutes)
     commands = {MAIN_JOB: ([script(main_job[0]), *main_job[1:], "trainer.max_steps=20",
                             f"hydra.run.dir={folders[MAIN_JOB] / 'run'}"], clean_env(), folders[MAIN_JOB])}
+    # the examples' 2 ranks are forked (see [Note: ranks forked from a loaded process] in tests/cli_runs.py)
     commands.update({example: ([sys.executable, str(ROOT / "examples" / example / "train.py"), *args], clean_env(),
-                               folders[example]) for example, (args, _, _) in EXAMPLES.items()})
+                               folders[example], 2) for example, (args, _, _) in EXAMPLES.items()})
     return commands
 
 
