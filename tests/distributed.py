@@ -20,6 +20,8 @@ must behave as it would on fresh processes:
   the call with the Python stacks of its threads at the crash, which faulthandler writes to the
   worker's stack file; the corruption may have been made by an earlier call in the same process,
   so the failure is where to start looking, not necessarily the culprit;
+- a worker's stdout and stderr go to a file of its pool's; a failed call's message ends with what
+  each failing rank printed;
 - a call must leave no process of its own running: one found after the call fails the call, and is
   killed. (A Lightning Trainer or Fabric with devices=2 in a call, without LOCAL_RANK set, starts
   its "rank 1" by rerunning this worker's command line, pytest's: a copy of the rest of the suite
@@ -210,6 +212,22 @@ def _next_task(tasks, parent: int):
                 return None
 
 
+def _output_path(stack_path: str) -> str:
+    return stack_path.replace("stack_", "output_")
+
+
+def _output_to(path: str) -> None:
+    """This worker's stdout and stderr go to ``path``: a failed call's message ends with what the rank
+    printed (forked workers would otherwise print to the fork server's, the terminal's, whichever test
+    runs)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd in (1, 2):
+        os.dup2(opened, fd)
+    os.close(opened)
+
+
 def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: str, parent: int) -> None:
     """A worker: join the group, then run calls until told to stop (None) or a call raises.
 
@@ -218,6 +236,7 @@ def _serve(rank: int, world_size: int, port: int, tasks, reports, stack_path: st
     """
     dist_env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.update(dist_env)
+    _output_to(_output_path(stack_path))
     stacks = open(stack_path, "w")  # noqa: SIM115 - faulthandler writes here until the process ends
     try:
         torch.set_num_threads(1)
@@ -307,7 +326,7 @@ class _Pool:
         if failed or missing_because:
             self.usable = False
             raise RuntimeError("\n".join(
-                [f"rank {r}:\n{results[r][1]}" for r in failed]
+                [f"rank {r}:\n{results[r][1]}{self._printed(r)}" for r in failed]
                 + [f"rank {r}: no answer {missing_because}. Its stack then:\n{self._stack(r)}"
                    for r in range(self.world_size) if r not in results]))
         if check_group:  # the results are good whatever this finds; a broken group only means a new pool
@@ -372,6 +391,15 @@ class _Pool:
         os.kill(p.pid, STACK_SIGNAL)
         time.sleep(0.5)  # faulthandler writes from its signal handler, even in a blocked collective
         return self._written_stack(rank)
+
+    def _printed(self, rank: int, tail: int = 3000) -> str:
+        """The end of what the rank printed, if anything."""
+        try:
+            with open(_output_path(self._stack_path(rank)), errors="replace") as f:
+                text = f.read()[-tail:]
+        except OSError:
+            return ""
+        return f"\nrank {rank} printed (the end):\n{text}" if text.strip() else ""
 
     def _written_stack(self, rank: int) -> str:
         """What faulthandler wrote for this call: the stack asked for, or that of a fatal signal."""
