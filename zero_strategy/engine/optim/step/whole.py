@@ -25,6 +25,15 @@ arbitrary elements. So for these classes each parameter has one owner, the rank 
 - a parameter with no gradient on any rank is skipped, as torch skips it; with a gradient on some
   rank it has one on every rank after the reduction, so the flags agree.
 
+[Note: a norm over all ranks' updates]
+A class may need one number from every rank's parameters before it applies its updates: DeepSpeed's
+Muon clips by a norm taken over the Muon updates and the Adam gradients together (``DeepSpeedMuon``
+in optimizers.py). Such a class splits its step in two, ``prepare_step()`` (computes what it needs
+and returns its share of the squared norm, or None when it needs none: the same answer on every rank,
+as it depends on the settings only) and ``finish_step(total)``; here every rank builds the class (an
+owner of nothing over empty groups), calls the first, sums the shares over the ranks in one 8-byte
+all-reduce when there are some, and calls the second with the sum.
+
 The state dict is torch's layout (every parameter's state by index, gathered from the owners onto
 every rank), so it loads at any world size and stage and from a DDP run.
 """
@@ -107,13 +116,14 @@ class WholeParameterStep(StepBackend):
         self.whole = {(p.group, p.index): torch.empty(p.shape, dtype=self.dtype, device=stepped.device)
                       for p in self.plan.owned}
         self._whole_inner: Optional[torch.optim.Optimizer] = None
-        if self.plan.owned:
+        self._two_phase = hasattr(owner.optim, "prepare_step")  # see [Note: a norm over all ranks' updates]
+        if self.plan.owned or self._two_phase:
             groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
                       for g in stepped.inner.param_groups]
             for p in self.plan.owned:
                 groups[p.user_group]["params"].append(self.whole[p.group, p.index])
-            self._whole_groups = [gi for gi, g in enumerate(groups) if g["params"]]
-            self._whole_inner = owner.optim.__class__([g for g in groups if g["params"]], **stepped.kwargs)
+            self._whole_groups = [gi for gi, g in enumerate(groups) if g["params"] or self._two_phase]
+            self._whole_inner = owner.optim.__class__([groups[gi] for gi in self._whole_groups], **stepped.kwargs)
         self._release()
 
     def _release(self) -> None:
@@ -177,7 +187,13 @@ class WholeParameterStep(StepBackend):
             for key, tensor in self.whole.items():
                 tensor.data = values[key]
                 tensor.grad = gradients[key] if key in has_grad else None
-            self._whole_inner.step()
+            if self._two_phase:
+                share = self._whole_inner.prepare_step()
+                if share is not None:
+                    self.comm.all_reduce(share, what=lambda: "all-reduce of the squared norm of the updates")
+                self._whole_inner.finish_step(share)
+            else:
+                self._whole_inner.step()
             for tensor in self.whole.values():
                 tensor.grad = None
 
