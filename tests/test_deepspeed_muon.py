@@ -71,7 +71,7 @@ def _train(rank: int, name: str) -> dict:
         engine.step()
         losses.append(loss.item())
     backend = optimizer.step_backend
-    out = {"losses": losses, "tags": tags, "retagged": retagged, "on_meta": on_meta, "shapes": shapes,
+    out = {"losses": losses, "comm": engine.comm_stats(), "tags": tags, "retagged": retagged, "on_meta": on_meta, "shapes": shapes,
            "groups": [(g["name"], g["use_muon"]) for g in optimizer.param_groups], "whole": backend.whole_parameters,
            "owned": len(backend.plan.owned), "params": len(backend.plan.params)}
     engine.destroy()
@@ -145,6 +145,25 @@ def test_muon_config_trains_as_deepspeeds_recorded_run_and_as_one_process(ours):
         pytest.skip(f"this CPU runs Newton-Schulz in {mine}, the recorded DeepSpeed run in {recorded['ns_dtype']}")
     _close(ours, {name: case["losses"] for name, case in recorded["cases"].items()}, "against DeepSpeed (recorded)",
            1e-6)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["stage0", "stage2", "stage3"])
+def test_the_communication_model_predicts_the_muon_steps_bytes(ours, name):
+    """The last step's bytes (two micro-batches, the whole step's all-to-alls and, with clipping at stages
+    1-3, the all-reduce of the updates' norm beside the gradients') as the communication model has them."""
+    from zero_strategy.comm_model import predict_step_bytes
+    from zero_strategy.config import ZeroConfig
+
+    settings = map_deepspeed_config(config(name))
+    zero = ZeroConfig(**{**settings.strategy, "stage": max(CASES[name][0], 1), "broadcast_buffers": False})
+    with torch.device("meta"):
+        model = MuonNet()
+    for rank, run in enumerate(ours):
+        predicted = predict_step_bytes(model, zero, 2, 2, clipping=True, accumulation_steps=GAS, backend="gloo",
+                                       whole_parameters=True, rank=rank, update_norm=CASES[name][0] >= 1)
+        assert run["cases"][name]["comm"] == predicted, (name, rank)
+        assert predicted["all_to_all"] > 0
 
 
 @pytest.mark.timeout(600)
