@@ -90,6 +90,9 @@ CASES = {
     # buffers broadcast before the forward (see [Note: buffers kept in step]), the float one in the working dtype
     "stage1-buffers": (1, {}, torch.float32, False),
     "stage3-bf16-buffers": (3, {}, torch.bfloat16, False),
+    # AdamW stepped whole (see [Note: whole-parameter step]): the step's two all-to-alls, in fp32 (the masters')
+    "stage2-whole": (2, {"whole_parameter_step": True}, torch.float32, True),
+    "stage3-whole-bf16": (3, {"whole_parameter_step": True}, torch.bfloat16, False),
 }
 BROADCASTS = {"stage3-broadcasts": 256}  # case -> the model's width (see [Note: headers left out on gloo])
 WITH_BUFFERS = ("stage1-buffers", "stage3-bf16-buffers")
@@ -136,18 +139,24 @@ def _train(rank: int, world_size: int, names: list[str]) -> dict:
         out[name] = {"phases": deltas, "stats": opt.comm_stats(), "sharder_stats": sharder.comm_stats()
                      if sharder is not None else None, "params": params,
                      "left_out": sharder is not None and sharder.guard.leaves_out}
+        if config.whole_parameter_step:  # the state each rank holds, and of which parameters
+            from zero_strategy.memory import memory_stats
+
+            plan = opt.step_backend.plan
+            out[name].update(state=memory_stats(model, [opt])["optimizer_states"], numels=[p.numel for p in plan.params],
+                             owned=[p.numel for p in plan.owned])
         if sync is not None:
             sync.remove_hooks()
         torch.set_num_threads(threads)
     return out
 
 
-def _predicted(name: str, by_phase: bool):
+def _predicted(name: str, by_phase: bool, rank: int = 0):
     stage, options, dtype, clip = CASES[name]
     with torch.device("meta"):
         model = TinyLM(BROADCASTS.get(name, WIDTH), buffers=name in WITH_BUFFERS)
     return predict_step_bytes(model, _config(stage, options), WORLD, PER_NODE, dtype=dtype,
-                              clipping=clip, by_phase=by_phase, backend="gloo")
+                              clipping=clip, by_phase=by_phase, backend="gloo", rank=rank)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +167,8 @@ def runs():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(CASES))
 def test_comm_stats_equal_the_models_prediction_exactly(runs, name):
-    want, phases = _predicted(name, by_phase=False), _predicted(name, by_phase=True)
-    for rank, result in enumerate(runs):
+    for rank, result in enumerate(runs):  # the whole step's all-to-alls differ by rank: each its own
+        want, phases = _predicted(name, by_phase=False, rank=rank), _predicted(name, by_phase=True, rank=rank)
         got = result[name]
         assert got["left_out"] == (name in BROADCASTS), f"rank {rank}: headers left out: {got['left_out']}"
         assert got["stats"] == want, f"rank {rank}"
@@ -167,8 +176,10 @@ def test_comm_stats_equal_the_models_prediction_exactly(runs, name):
             assert got["sharder_stats"] == want
         for phase in ("forward", "backward", "step"):
             assert got["phases"][phase] == phases.get(phase, {k: 0 for k in want}), f"rank {rank}, {phase}"
+        assert (want["all_to_all"] > 0) == ("whole" in name), rank  # the whole step's alone
     assert (want["broadcast"] > 0) == (name in WITH_BUFFERS)  # the buffers' (the gathers by broadcasts count as such)
-    assert want["total"] == sum(want[k] for k in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"))
+    assert want["total"] == sum(want[k] for k in ("all_gather", "reduce_scatter", "all_reduce", "broadcast",
+                                                  "all_to_all"))
     assert want["total"] == want["intra_node"] + want["inter_node"] > 0
 
 
@@ -210,3 +221,22 @@ def test_ranks_end_with_the_same_weights_under_every_option(runs):
         for other in runs[1:]:  # data parallelism: every rank ends with the same weights
             for key, value in first.items():
                 assert torch.equal(other[name]["params"][key], value), (name, key)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [name for name in CASES if "whole" in name])
+def test_whole_step_state_is_the_owners_share_as_estimated(runs, name):
+    """Each rank holds AdamW's state (two fp32 moments an element, a 4-byte step count a parameter) of the
+    parameters it owns, every parameter owned once; estimate_memory gives the most loaded rank's moments,
+    at most 1/N of all plus the largest parameter's."""
+    stage, _, dtype, _ = CASES[name]
+    numels = runs[0][name]["numels"]
+    assert sorted(n for run in runs for n in run[name]["owned"]) == sorted(numels)
+    for run in runs:
+        assert run[name]["state"] == 8 * sum(run[name]["owned"]) + 4 * len(run[name]["owned"])
+    from zero_strategy.memory import estimate_memory
+
+    precision = "bf16-mixed" if dtype == torch.bfloat16 else "32-true"
+    estimate = estimate_memory(sum(numels), stage, WORLD, precision, whole_parameters=numels)["optimizer_states"]
+    assert estimate == max(8 * sum(run[name]["owned"]) for run in runs)
+    assert estimate <= 8 * (sum(numels) / WORLD + max(numels))

@@ -228,3 +228,28 @@ def test_owner_of_finds_the_flat_groups_of_a_parameter_or_a_module():
     assert owner_of(model.head.bias) is second.sharder and owners_of(model.fc1.parameters()) == [first.sharder]
     with pytest.raises(ValueError, match="held by 2 flat-group owners"):
         owner_of(model)
+
+
+def test_zero_estimate_counts_an_optimizer_stepped_whole(capsys):
+    """Adafactor reads whole parameters: zero-estimate gives the ZeRO stages the owners' state (the rank that
+    owns the 128 x 512 matrix holds all of its state) and the step's all-to-alls, as the models predict."""
+    from zero_strategy.cli.estimate import main
+    from zero_strategy.cli.report import format_bytes
+    from zero_strategy.comm_model import predict_step_bytes
+    from zero_strategy.models import MLP
+
+    assert main(["model=mlp", "world_size=4", "comm.devices_per_node=4",
+                 "model.optimizer._target_=torch.optim.Adafactor"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.strip("│ ").split("│")[0].strip(): [c.strip() for c in line.strip("│ ").split("│")]
+            for line in out.splitlines() if line.startswith("│")}
+    with torch.device("meta"):
+        net = MLP(128, 512, 10)  # conf/model/mlp.yaml over conf/data/gaussian.yaml
+    sizes = [p.numel() for p in net.parameters()]
+    for stage in (1, 2, 3):
+        whole = estimate_memory(sum(sizes), stage, 4, whole_parameters=sizes)["optimizer_states"]
+        assert whole == 8 * 128 * 512 > estimate_memory(sum(sizes), stage, 4)["optimizer_states"]
+        assert rows[f"{stage} *" if stage == 2 else str(stage)][4] == format_bytes(whole)
+    assert rows["0"][4] == format_bytes(estimate_memory(sum(sizes), 0, 4)["optimizer_states"])  # DDP: unchanged
+    predicted = predict_step_bytes(net, ZeroConfig(stage=2), 4, 4, whole_parameters=True)["all_to_all"]
+    assert predicted > 0 and "all-to-all" in out and rows["ZeRO-2"][4] == format_bytes(predicted)

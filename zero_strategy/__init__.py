@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ below i
     from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
     from .generation import any_rank_busy
     from .memory import count_parameters, estimate_memory, memory_stats
-    from .optimizers import MuonWithAdamW
+    from .optimizers import DeepSpeedMuon, MuonWithAdamW
     from .precision import ZeroPrecision
     from .strategy import ZeroStrategy
 
@@ -54,6 +54,7 @@ _PUBLIC_NAMES = {  # name -> the module (below this package) that defines it
     "init_inference": "deepspeed.unsupported",  # raises, naming what to do instead
     "ZeroOptimizer": "engine", "gathered_parameters": "engine.params.flat_parameters",
     "MuonWithAdamW": "optimizers",  # Muon and AdamW as one optimizer (automatic optimization)
+    "DeepSpeedMuon": "optimizers",  # what a DeepSpeed config's "type": "Muon" builds
     "count_parameters": "memory", "estimate_memory": "memory", "memory_stats": "memory",
     "ZeroPrecision": "precision",
     "load_pretrained": "pretrained", "sharded_init": "pretrained",

@@ -20,6 +20,13 @@ the meta device) and lists the collectives of one training step:
 - the step: one all-reduce of a byte per trainable parameter (which got a gradient), one of the
   overflow flag (fp16 loss scaling), one of the clipping norm (8 bytes), then the all-gathers of
   the parameters kept whole (every one at stages 1-2; the small, resident ones at stage 3).
+- an optimizer stepped whole (``whole_parameters``: Muon, Adafactor, ``whole_parameter_step``; see
+  [Note: whole-parameter step] in engine/optim/step/whole.py) adds the step's two all-to-alls over
+  all ranks, in the masters' dtype: the rank's pieces' values and gradients and a flag per piece to
+  the parameters' owners, then the owner's new values of the others' pieces back (pieces of a rank's
+  own parameters stay). Owners differ per rank, so these bytes do too: ``rank`` picks one, by default
+  the rank that sends most; with ``update_norm`` (``DeepSpeedMuon`` clipping its updates) one 8-byte
+  all-reduce more.
 - with ``shard_group_size=K`` (hybrid sharding: [Note: hybrid sharding] in engine/comm/topology.py) the
   groups are planned for K ranks, and every all-gather, reduce-scatter, the overflow flag and the
   norm run over the shard group of K; each reduce-scatter is followed by an all-reduce of its
@@ -55,6 +62,7 @@ from .engine.buffers.layout import GroupLayout, align_elements, plan_group
 from .engine.params.flat_parameters import split_groups
 from .engine.comm.quantize import QuantSpec, packed_row_bytes
 from .engine.diagnose.tally import TALLY_BYTES
+from .engine.optim.step.whole import step_elements
 from .engine.params.plan import plan_units
 
 PHASES = ("forward", "backward", "step")
@@ -159,6 +167,11 @@ class _Step:
             if replicas > 1 and sum_replicas:  # the shard, summed across the shard groups
                 self.add("all_reduce", "all_reduce", shard * group.element_size, replicas, self.replica_inter)
 
+    def add_sent(self, kind: str, sent: int, inter_node: bool) -> None:
+        """Bytes counted as sent, as they are (an all-to-all of unequal parts)."""
+        self.counter.add(kind, sent, inter_node)
+        self.phases[self.phase].add(kind, sent, inter_node)
+
     def world_collective(self, kind: str, nbytes: int) -> None:
         self.add(kind, kind, nbytes, self.nodes.world_size, self.world_inter)
 
@@ -181,7 +194,9 @@ def _groups(params: Sequence[nn.Parameter], config: ZeroConfig, world_size: int,
 def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, ranks_per_node: Optional[int] = None,
                        dtype: Optional[torch.dtype] = None, loss_scaling: bool = False,
                        clipping: bool = False, accumulation_steps: int = 1, order_checked: bool = True,
-                       by_phase: bool = False, backend: str = "nccl") -> dict[str, int] | dict[str, dict[str, int]]:
+                       by_phase: bool = False, backend: str = "nccl", whole_parameters: bool = False,
+                       rank: Optional[int] = None, update_norm: bool = False
+                       ) -> dict[str, int] | dict[str, dict[str, int]]:
     """The bytes one rank sends in one training step of ``module`` under ``config`` (see [Note: the
     communication model]): the keys of ``comm_stats()``. ``dtype`` is the working weights' (default:
     the parameters' own); ``loss_scaling``
@@ -191,6 +206,9 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     ("forward", "backward", "step"). ``backend``: the process group's; on "gloo" the stage-3
     all-gathers of 1 MiB or more send no header (see [Note: headers left out on gloo] in
     engine/comm/order_guard.py).
+    ``whole_parameters`` (or ``config.whole_parameter_step``): the optimizer is stepped whole, which adds
+    the step's all-to-alls of ``rank`` (None: of the rank that sends most) and, with ``update_norm``, the
+    all-reduce of a norm over the updates (``DeepSpeedMuon`` with ``gradient_clipping``).
     ``module`` may be on the meta device.
     """
     if accumulation_steps < 1:
@@ -249,6 +267,8 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
         step.shard_collective("all_reduce", 1)  # the overflow flag
     if clipping:
         step.shard_collective("all_reduce", 8)  # the squared norm, float64
+    if (whole_parameters or config.whole_parameter_step) and trainable:
+        _whole_step(step, trainable, config, world_size, shards, rank, update_norm)
     for g in resident:
         if g.trainable:
             for seg in g.layout.segments:
@@ -256,6 +276,24 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     if by_phase:
         return {phase: c.current for phase, c in step.phases.items()}
     return step.counter.current
+
+
+def _whole_step(step: _Step, trainable: list[_Group], config: ZeroConfig, world_size: int, shards: int,
+                rank: Optional[int], update_norm: bool) -> None:
+    """The whole-parameter step's two all-to-alls (and the norm of the updates) of ``rank``, or of the
+    rank that sends most (see [Note: the communication model])."""
+    if shards != world_size:
+        raise ValueError(f"an optimizer stepped whole runs over all {world_size} ranks; shard_group_size="
+                         f"{config.shard_group_size!r} (hybrid sharding) does not combine with it: leave it unset.")
+    size = trainable[0].element_size
+    size = 4 if config.master_weights and size < 4 else size  # the step exchanges masters and their gradients
+    layouts = [g.layout for g in trainable]
+    ranks = range(world_size) if rank is None else [rank]
+    first, second = max((step_elements(layouts, world_size, r) for r in ranks), key=sum)
+    step.add_sent("all_to_all", first * size, step.shard_inter)
+    step.add_sent("all_to_all", second * size, step.shard_inter)
+    if update_norm:
+        step.shard_collective("all_reduce", 8)  # float64
 
 
 VARIANTS: tuple[tuple[str, int, dict], ...] = (
@@ -284,8 +322,11 @@ def variant_rows(module: nn.Module, base: ZeroConfig, world_size: int, ranks_per
     ``VARIANTS`` (those that make sense on this layout: hpZ and HSDP need several nodes of several
     ranks), from ``base``'s other settings; ``kwargs`` go to ``predict_step_bytes``."""
     rows = []
+    whole = kwargs.get("whole_parameters") or base.whole_parameter_step
     for name, stage, options in VARIANTS:
         options = dict(options)
+        if whole and "shard_group_size" in options:
+            continue  # the whole-parameter step runs over all ranks
         if "node" in (options.get("secondary_partition_size"), options.get("shard_group_size")):
             if ranks_per_node < 2 or ranks_per_node == world_size:
                 continue  # a group inside one node changes nothing or cannot exist here

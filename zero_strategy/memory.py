@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import torch
 
 from .checkpoint.background import checkpoint_buffer_bytes
 from .engine import ZeroOptimizer
+from .engine.optim.step.whole import assign_owners
 from .engine.params.flat_parameters import owner_of, owners_of
 
 if TYPE_CHECKING:
@@ -76,7 +77,8 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
                     trainable_params: Optional[int] = None, async_save: bool = False,
                     optimizer_state_dtype: str = "fp32", master_weights_dtype: str = "fp32",
                     optimizer_state_block_size: int = 256,
-                    local_accumulation: bool = False, grad_accum_dtype: str = "fp32") -> dict[str, int]:
+                    local_accumulation: bool = False, grad_accum_dtype: str = "fp32",
+                    whole_parameters: Optional[Sequence[int]] = None) -> dict[str, int]:
     """Per-rank model-state bytes that the ZeRO paper's formula predicts, and where they live.
 
     Stage 0 is plain data parallelism. With mixed-precision Adam (K = 12) this gives the paper's
@@ -104,6 +106,12 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
     ``local_accumulation`` (stages 2-3) adds the full-size local gradient buffer to the device's
     ``grads``: 4 bytes per trainable parameter with ``grad_accum_dtype="fp32"``, the working dtype's with
     "working" (see [Note: local accumulation] in engine/grads/accumulation.py).
+    ``whole_parameters``: the sizes (elements) of the trainable parameters, when the optimizer is stepped
+    whole (Muon, Adafactor, ``whole_parameter_step``: see [Note: whole-parameter step] in
+    engine/optim/step/whole.py): at stages 1-3 a rank then holds the state of the parameters it owns,
+    owners balanced largest first, which is the most loaded rank's here: at most 1/N of the total plus
+    the largest parameter's. The whole tensors the step builds (the owned parameters' values and
+    gradients) live only during the step and are not counted, as activations are not.
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params={num_params!r} must be a non-negative integer")
@@ -144,6 +152,19 @@ def estimate_memory(num_params: int, stage: int = 2, world_size: int = 1, precis
         where["device"]["master_params"] = master_b * trained / shard
         where["device"]["grads"] = grad_b * trained / (n if stage >= 2 else 1)
         where["device"]["optimizer_states"] = state_b * trained / shard
+    if whole_parameters is not None and stage >= 1:
+        if offload_optimizer or optimizer_state_dtype != "fp32" or master_weights_dtype != "fp32":
+            raise ValueError("whole_parameters: an optimizer stepped whole keeps fp32 state on the device (offload and "
+                             "low-precision state step flat shards); estimate it with offload_optimizer=False and both "
+                             "dtypes at 'fp32'.")
+        if sum(whole_parameters) != trained:
+            raise ValueError(f"whole_parameters sum to {sum(whole_parameters)} elements, but {trained} parameters are "
+                             "trained (trainable_params, else num_params): give the size of each trainable parameter.")
+        owner = assign_owners([list(whole_parameters)], n)
+        load = [0] * n
+        for (_, i), r in owner.items():
+            load[r] += whole_parameters[i]
+        where["device"]["optimizer_states"] = state_b * max(load)
     if local_accumulation:
         if stage < 2:
             raise ValueError(f"local_accumulation=True needs stage 2 or 3 (got stage={stage}): stages 0-1 keep whole "

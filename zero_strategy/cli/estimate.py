@@ -10,7 +10,9 @@ are counted in a second; the memory is zero_strategy.estimate_memory's (the ZeRO
 formula), like DeepSpeed's estimate_zero2/zero3_model_states_mem_needs. With more than one rank it
 also prints the bytes each rank sends per training step, intra- and inter-node, for each stage and
 ZeRO++ option, and the time they take on the cluster's links (zero_strategy.comm_model: the same
-bytes a run's comm_stats() counts).
+bytes a run's comm_stats() counts). An optimizer stepped whole (``model.optimizer._target_`` Muon,
+Adafactor, a class with ``zero_whole_parameters``, or ``strategy.whole_parameter_step=true``) is
+counted as it runs: its state on the parameters' owners, its two all-to-alls per step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rich.table import Table
 
 from ..comm_model import DEFAULT_CLUSTER, Links, links, variant_rows
 from ..engine.comm.topology import resolve_shard_group_size
+from ..engine.optim.checks import needs_whole_parameters
 from ..config import ZeroConfig
 from ..frontend.options import engine_arguments
 from ..memory import PRECISION_DTYPES, estimate_memory, estimated_options, normalize_precision
@@ -69,12 +72,26 @@ def default_world_size(trainer_cfg: DictConfig) -> int:
 ROW_OPTIONS = ("stage", "offload_optimizer", "offload_params")
 
 
+def whole_parameter_sizes(net: torch.nn.Module, model_cfg: DictConfig, base: ZeroConfig) -> Optional[list[int]]:
+    """The trainable parameters' sizes when the configured optimizer is stepped whole (see [Note:
+    whole-parameter step]); None when it steps flat shards."""
+    target = OmegaConf.select(model_cfg, "optimizer._target_")
+    try:
+        cls = hydra.utils.get_class(target) if target else None
+    except Exception:  # noqa: BLE001 - not a class (a function building one): the option alone decides
+        cls = None
+    whole = base.whole_parameter_step or (isinstance(cls, type) and needs_whole_parameters(cls, base))
+    return [p.numel() for p in dict.fromkeys(net.parameters()) if p.requires_grad] if whole else None
+
+
 def estimate_rows(num_params: int, world_size: int, precision: str, offload: bool,
-                  base: Optional[ZeroConfig] = None) -> list[dict[str, Any]]:
+                  base: Optional[ZeroConfig] = None, whole: Optional[list[int]] = None) -> list[dict[str, Any]]:
     """The formula's rows per stage (and offload preset). ``base``'s options that estimate_memory takes
     (``estimated_options``: the low-precision step, local_accumulation, ...) count in the ZeRO stages'
     rows, not in DDP's (stage 0); the offload rows keep the fp32 step of the offload presets (the disk
-    step has no other), and stage 1 accumulates locally anyway (local_accumulation is refused there)."""
+    step has no other), and stage 1 accumulates locally anyway (local_accumulation is refused there).
+    ``whole``: the parameters' sizes of an optimizer stepped whole (``whole_parameter_sizes``): the ZeRO
+    stages' state is then the owners', and there are no offload rows (its step does not offload)."""
     def settings(stage: int, offloaded: bool = False) -> dict[str, Any]:
         if base is None or stage == 0:
             return {}
@@ -83,11 +100,13 @@ def estimate_rows(num_params: int, world_size: int, precision: str, offload: boo
             out.update(optimizer_state_dtype="fp32", master_weights_dtype="fp32")
         if stage < 2:
             out["local_accumulation"] = False
+        if whole is not None:
+            out["whole_parameters"] = whole
         return out
 
     rows = [{"stage": s, "offload": "", "estimate": estimate_memory(num_params, s, world_size, precision, **settings(s))}
             for s in (0, 1, 2, 3)]
-    if offload:
+    if offload and whole is None:
         variants = [(2, "optimizer", False, False), (3, "optimizer", False, False), (3, "opt+params", True, False),
                     (3, "disk+params", True, True)]  # the presets zero2_offload, zero3_offload (+ offload_dir)
         rows += [{"stage": s, "offload": name,
@@ -125,13 +144,15 @@ def print_comm(rows: list[dict], num_params: int, world_size: int, per_node: int
                precision: str) -> None:
     table = Table(title=f"Communication per rank per training step: {num_params:,} parameters, {world_size} ranks "
                         f"({world_size // per_node} nodes x {per_node}), {precision}")
-    for column in ("variant", "all-gather", "reduce-scatter", "all-reduce", "intra-node", "inter-node", "total"):
+    kinds = ["all_gather", "reduce_scatter", "all_reduce"]
+    if any(row["stats"]["all_to_all"] for row in rows):  # an optimizer stepped whole
+        kinds.append("all_to_all")
+    for column in ("variant", *(k.replace("_", "-") for k in kinds), "intra-node", "inter-node", "total"):
         table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=column == "variant")
     table.add_column("ms", justify="right")
     for row in rows:
         st = row["stats"]
-        table.add_row(row["variant"], *(format_bytes(st[k]) for k in ("all_gather", "reduce_scatter", "all_reduce",
-                                                                      "intra_node", "inter_node", "total")),
+        table.add_row(row["variant"], *(format_bytes(st[k]) for k in (*kinds, "intra_node", "inter_node", "total")),
                       f"{row['seconds'] * 1e3:,.2f}")
     out = console()
     out.print(table)
@@ -173,12 +194,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stage = cfg.strategy.get("stage", 0) if "zero" in str(cfg.strategy.get("_target_", "")).lower() else 0
     # hybrid sharding: the model state is sharded over the shard group (see [Note: hybrid sharding])
     shards = resolve_shard_group_size(base.shard_group_size, world_size, per_node) or world_size
-    print_estimates(estimate_rows(num_params, shards, precision, cfg.offload, base), num_params, shards,
-                    precision, stage, cfg.offload, replicas=world_size // shards)
+    whole = whole_parameter_sizes(net, cfg.model, base)
+    print_estimates(estimate_rows(num_params, shards, precision, cfg.offload, base, whole), num_params, shards,
+                    precision, stage, cfg.offload and whole is None, replicas=world_size // shards)
+    if whole is not None:
+        console().print("The optimizer is stepped whole (each parameter by one rank, see docs/trainer.md): at the ZeRO "
+                        "stages a rank holds the state of the parameters it owns (the most loaded rank's here), and "
+                        "each step adds two all-to-alls; it does not offload (no offload rows).")
     if world_size > 1:
         rows = variant_rows(net, base, world_size, per_node, link, dtype=PRECISION_DTYPES[precision],
                             loss_scaling=precision == "16-mixed", clipping=bool(cfg.trainer.get("gradient_clip_val")),
-                            accumulation_steps=int(cfg.trainer.get("accumulate_grad_batches") or 1))
+                            accumulation_steps=int(cfg.trainer.get("accumulate_grad_batches") or 1),
+                            whole_parameters=whole is not None)
         print_comm(rows, num_params, world_size, per_node, link, precision)
     return 0
 

@@ -13,7 +13,8 @@ by the loss scale (in fp32), then runs autograd; gradients accumulate in the eng
 ``step()`` counts micro-steps and acts only at an accumulation boundary, ``(micro_steps + 1) %
 gradient_accumulation_steps == 0``: it reduces the gradients over the ranks, computes the global
 gradient norm and clips to ``gradient_clipping`` (1.0 when the config has no such key, as in
-DeepSpeed 0.19; 0 turns it off), steps the optimizer, steps the LR scheduler and zeroes the
+DeepSpeed 0.19; 0 turns it off; a config's Muon clips its updates instead, see [Note: DeepSpeed's
+Muon configuration] in deepspeed/muon.py), steps the optimizer, steps the LR scheduler and zeroes the
 gradients. An fp16 step whose gradients overflowed on any rank is skipped (weights, optimizer state
 and the norm stay as they were), the scale moves (see [Note: DeepSpeed's dynamic loss scale]) and the
 LR scheduler is not stepped; ``global_steps`` counts it anyway, ``skipped_steps`` too. With
@@ -49,6 +50,7 @@ from ..config import ZeroConfig
 from ..engine import Collectives, FlatParameters, ZeroOptimizer
 from ..frontend import EngineModel, WorkingPrecision, clip_grad_norm, setup_engine
 from ..frontend.pretrained import save_pretrained
+from ..optimizers import DeepSpeedMuon
 from . import engine_checkpoint
 from .arguments import local_rank_from_arguments, record_local_rank
 from .autocast import autocast_kwargs
@@ -153,6 +155,8 @@ class ZeroEngine(nn.Module):
         optimizer = self._need_optimizer("step")
         if self.is_gradient_accumulation_boundary():
             clip = self.gradient_clipping()
+            if isinstance(optimizer.optim, DeepSpeedMuon) and optimizer.optim.gradient_clipping > 0:
+                clip = 0.0  # it clips its updates (as DeepSpeed's Muon at stages 1-3); the gradients' norm is logged
             norm = clip_grad_norm(optimizer, clip if clip > 0 else math.inf)  # None: an fp16 overflow, skipped
             if norm is not None:
                 self._global_grad_norm = float(norm)

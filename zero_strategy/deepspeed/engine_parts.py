@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from ..engine import Collectives
+from ..optimizers import DeepSpeedMuon
 from .accelerator import get_accelerator
 from .arguments import config_from_arguments
 from .config import DeepSpeedSettings
@@ -92,11 +93,23 @@ def build_optimizer(module: nn.Module, optimizer: Any, model_parameters: Any,
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(f"initialize(optimizer=...): the callable returned {type(built).__name__}, not a "
                             "torch.optim.Optimizer; return one built over the parameters it is given.")
-    elif settings.optimizer is not None:
-        built = settings.optimizer(params)
+    elif settings.optimizer is not None:  # Muon's clips its updates (see [Note: DeepSpeed's Muon configuration])
+        built = settings.optimizer(params, module=module, gradient_clipping=muon_clipping(settings))
     else:
         return None
-    return built  # over the model's own parameters: checked by setup_engine, as for every front end
+    if isinstance(built, DeepSpeedMuon) and built.gradient_clipping != muon_clipping(settings):
+        raise ValueError(f"initialize(optimizer=DeepSpeedMuon(..., gradient_clipping={built.gradient_clipping})): at "
+                         "ZeRO stages 1-3 it clips its updates itself, as DeepSpeed's Muon does, with the config's "
+                         f"gradient_clipping, {settings.clipping()} here (1.0 when the config is silent; at stage 0 the "
+                         "engine clips the gradients and the optimizer nothing); pass "
+                         f"gradient_clipping={muon_clipping(settings)} to DeepSpeedMuon, or change the config's.")
+    return built
+
+
+def muon_clipping(settings: DeepSpeedSettings) -> float:
+    """What ``DeepSpeedMuon`` clips its updates to: the config's ``gradient_clipping`` at ZeRO stages 1-3, as
+    DeepSpeed's do; at stage 0 DeepSpeed clips the gradients (the engine here) and Muon nothing."""
+    return settings.clipping() if int(settings.strategy.get("stage", 0)) >= 1 else 0.0  # over the model's own parameters: checked by setup_engine, as for every front end
 
 
 def build_scheduler(lr_scheduler: Any, user_optimizer: Optional[torch.optim.Optimizer],

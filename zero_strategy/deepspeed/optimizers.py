@@ -2,8 +2,10 @@
 
 DeepSpeed's names (``"Adam"``, ``"AdamW"`` with ``adam_w_mode``, ``torch_adam``...) become the
 torch class DeepSpeed itself would run, with DeepSpeed's defaults where they differ from torch's
-(its own Adam decays weights by 0, torch's AdamW by 0.01). Other names are torch.optim classes,
-refused when their update is not elementwise (ZeRO steps a flat shard of each parameter).
+(its own Adam decays weights by 0, torch's AdamW by 0.01); ``"Muon"`` becomes ``DeepSpeedMuon``
+over DeepSpeed's split of the parameters (deepspeed/muon.py). Other names are torch.optim classes:
+elementwise ones, and Adafactor (stepped whole, each parameter by one rank); LBFGS and SparseAdam are
+refused.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..engine.optim.checks import WHOLE_PARAMETER_OPTIMIZERS
 from ..engine.optim.optimizer import ELEMENTWISE_OPTIMIZERS
 from .keys import AUTO_HINT, DeepSpeedConfigError, Findings, is_auto, read_flag, read_section
 
@@ -30,20 +33,21 @@ class OptimizerFactory:
     optimizer_class: type
     kwargs: Mapping[str, Any]
 
-    def __call__(self, params: Any) -> torch.optim.Optimizer:
-        """``params``: parameters or param groups, as any torch optimizer takes them."""
+    def __call__(self, params: Any, module: Any = None, gradient_clipping: float = 0.0) -> torch.optim.Optimizer:
+        """``params``: parameters or param groups, as any torch optimizer takes them. ``module`` (the model)
+        and ``gradient_clipping`` (the config's) are for Muon's factory (deepspeed/muon.py)."""
         return self.optimizer_class(params, **self.kwargs)
 
 
 TORCH_OPTIMIZERS = {name.lower(): cls for name, cls in vars(torch.optim).items() if inspect.isclass(cls)
                     and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
-# not elementwise, so never sharded, whatever allow_untested says (see engine/optim/optimizer.py)
-NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+# not elementwise, and not stepped whole either, whatever allow_untested says (see engine/optim/checks.py);
+# torch's Adafactor is stepped whole (WHOLE_PARAMETER_OPTIMIZERS), and "Muon" is DeepSpeed's (muon.py)
+NOT_ELEMENTWISE = ("LBFGS", "SparseAdam")
 REFUSED_OPTIMIZERS = {
     "lamb": "LAMB scales each tensor's update by a norm over the whole tensor, which a flat shard cannot compute; "
             "use AdamW",
     "lion": "torch has no Lion; return your own from configure_optimizers with zero_allow_untested_optimizer true",
-    "muon": "Muon orthogonalises each parameter as a whole matrix, which a flat shard cannot do; use AdamW or DDP",
     **{name: "compresses gradients in communication, which is not supported; use Adam or AdamW"
        for name in ("onebitadam", "zerooneadam", "onebitlamb")},
     **{name: "comes from the mup package: build it in configure_optimizers, with zero_allow_untested_optimizer true"
@@ -69,6 +73,10 @@ def optimizer_factory(findings: Findings, section: dict, allow_untested: bool) -
     if lower in REFUSED_OPTIMIZERS:
         findings.problems.append(f"optimizer.type={name!r}: {REFUSED_OPTIMIZERS[lower]}")
         return None
+    if lower == "muon":  # DeepSpeed's own Muon, not torch.optim.Muon
+        from .muon import muon_factory
+
+        return muon_factory(findings, params)
     if lower in ("adam", "adamw"):
         cls = _adam_class(findings, lower, params)
     else:
@@ -82,7 +90,7 @@ def optimizer_factory(findings: Findings, section: dict, allow_untested: bool) -
         if cls.__name__ in NOT_ELEMENTWISE:
             findings.problems.append(f"optimizer.type={name!r}: its update is not elementwise, so ZeRO cannot shard "
                                    f"it; use one of {allowed}")
-        elif cls not in ELEMENTWISE_OPTIMIZERS and not allow_untested:
+        elif cls not in ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS and not allow_untested:
             findings.problems.append(f"optimizer.type={name!r} is not verified to be elementwise ({allowed} are); "
                                    "if it is, set zero_allow_untested_optimizer true")
     if isinstance(params.get("betas"), list):  # JSON has no tuples; torch wants (beta1, beta2)

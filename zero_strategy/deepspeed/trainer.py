@@ -71,7 +71,7 @@ def optimizers_from_config(settings: DeepSpeedSettings, module: "pl.LightningMod
             f"both the DeepSpeed config (optimizer {settings.optimizer.optimizer_class.__name__}) and "
             f"{type(module).__name__}.configure_optimizers ({', '.join(type(o).__name__ for o in mine)}) give an "
             "optimizer; keep one: remove the config's \"optimizer\" section, or return None from configure_optimizers.")
-    optimizer = settings.optimizer([p for p in module.parameters() if p.requires_grad])
+    optimizer = settings.optimizer([p for p in module.parameters() if p.requires_grad], module=module)
     if settings.scheduler is None:
         return [optimizer], []
     return [optimizer], [LRSchedulerConfig(settings.scheduler(optimizer), interval="step")]

@@ -96,7 +96,9 @@ def _allocate(m: nn.Module, device: torch.device) -> None:
     for p in m.parameters(recurse=False):
         if p.is_meta:  # swap_tensors refuses a tensor with weak references: the registries' step aside
             recorded, source = _recorded_params.pop(p, None), _param_sources.pop(p, None)
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
+            fresh = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+            torch.utils.swap_tensors(p, fresh)
+            p.__dict__.update(fresh.__dict__)  # it swaps the attributes too: the parameter keeps its own (use_muon...)
             if recorded is not None:
                 _recorded_params[p] = recorded
             if source is not None:

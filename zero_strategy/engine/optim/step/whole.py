@@ -25,6 +25,15 @@ arbitrary elements. So for these classes each parameter has one owner, the rank 
 - a parameter with no gradient on any rank is skipped, as torch skips it; with a gradient on some
   rank it has one on every rank after the reduction, so the flags agree.
 
+[Note: a norm over all ranks' updates]
+A class may need one number from every rank's parameters before it applies its updates: DeepSpeed's
+Muon clips by a norm taken over the Muon updates and the Adam gradients together (``DeepSpeedMuon``
+in optimizers.py). Such a class splits its step in two, ``prepare_step()`` (computes what it needs
+and returns its share of the squared norm, or None when it needs none: the same answer on every rank,
+as it depends on the settings only) and ``finish_step(total)``; here every rank builds the class (an
+owner of nothing over empty groups), calls the first, sums the shares over the ranks in one 8-byte
+all-reduce when there are some, and calls the second with the sum.
+
 The state dict is torch's layout (every parameter's state by index, gathered from the owners onto
 every rank), so it loads at any world size and stage and from a DDP run.
 """
@@ -32,13 +41,13 @@ every rank), so it loads at any world size and stage and from a DDP run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from ....config import ZeroConfig
 from ...buffers.flat import FlatGroup
-from ...buffers.layout import Piece
+from ...buffers.layout import GroupLayout, Piece
 from ..state import param_index, param_groups_out, saved_ids, take_settings
 from .backend import StepBackend, Stepped
 from .grads import StepGradients
@@ -55,29 +64,53 @@ class _Param:
     user_group: int  # the user's param group
 
 
+def assign_owners(numels: Sequence[Sequence[int]], world_size: int) -> dict[tuple[int, int], int]:
+    """(flat group, parameter index) -> the rank that steps the parameter whole: largest first (ties keep
+    their order), each to the rank with the fewest elements so far (ties: the lowest rank). The same on
+    every rank, and in the communication model (comm_model.py)."""
+    load = [0] * world_size
+    owner: dict[tuple[int, int], int] = {}
+    params = [(gi, i, n) for gi, group in enumerate(numels) for i, n in enumerate(group)]
+    for gi, i, n in sorted(params, key=lambda x: -x[2]):  # stable
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[gi, i] = r
+        load[r] += n
+    return owner
+
+
+def exchanged(layouts: Sequence[GroupLayout], owner: dict[tuple[int, int], int], world_size: int,
+              rank: int) -> tuple[list[list[Piece3]], list[list[Piece3]]]:
+    """Per rank j: this rank's pieces of the parameters j owns (sent to j), and j's pieces of the parameters
+    this rank owns (received from j), group by group in buffer order (both sides walk them alike)."""
+    def pieces_of(r: int) -> list[Piece3]:  # rank r's pieces, indexed as ``FlatGroup.pieces``
+        return [(gi, pi, piece) for gi, layout in enumerate(layouts) for pi, piece in enumerate(layout.pieces(r))]
+
+    mine = pieces_of(rank)
+    outgoing = [[x for x in mine if owner[x[0], x[2].param] == to] for to in range(world_size)]
+    incoming = [[x for x in pieces_of(r) if owner[x[0], x[2].param] == rank] for r in range(world_size)]
+    return outgoing, incoming
+
+
+def step_elements(layouts: Sequence[GroupLayout], world_size: int, rank: int) -> tuple[int, int]:
+    """Elements ``rank`` sends to the other ranks in the step's two all-to-alls: its pieces' values and
+    gradients and a flag per piece, then the new values of the pieces of the parameters it owns."""
+    owner = assign_owners([layout.numels for layout in layouts], world_size)
+    outgoing, incoming = exchanged(layouts, owner, world_size, rank)
+    first = sum(2 * piece.numel + 1 for j, pieces in enumerate(outgoing) if j != rank for *_, piece in pieces)
+    second = sum(piece.numel for j, pieces in enumerate(incoming) if j != rank for *_, piece in pieces)
+    return first, second
+
+
 class WholePlan:
-    """Who steps each parameter, and which pieces travel where in the step's two all-to-alls (both
-    sides walk them in the same order: group by group, in buffer order)."""
+    """Who steps each parameter, and which pieces travel where in the step's two all-to-alls."""
 
     def __init__(self, groups: list[FlatGroup], user_group_of: dict[int, int], world_size: int, rank: int) -> None:
         self.params = [_Param(gi, i, g.shapes[i], g.layout.numels[i], user_group_of[id(g.params[i])])
                        for gi, g in enumerate(groups) for i in range(len(g.params))]
-        load = [0] * world_size
-        owner: dict[tuple[int, int], int] = {}
-        for p in sorted(self.params, key=lambda p: -p.numel):  # stable: ties keep their order
-            r = min(range(world_size), key=lambda r: (load[r], r))
-            owner[p.group, p.index] = r
-            load[r] += p.numel
+        owner = assign_owners([g.layout.numels for g in groups], world_size)
         self.owned = [p for p in self.params if owner[p.group, p.index] == rank]
-
-        def pieces_of(r: int) -> list[Piece3]:  # a group's pieces of rank r, indexed as ``FlatGroup.pieces``
-            return [(gi, pi, piece) for gi, g in enumerate(groups) for pi, piece in enumerate(g.layout.pieces(r))]
-
-        mine = pieces_of(rank)
-        self.outgoing = [[x for x in mine if owner[x[0], x[2].param] == to] for to in range(world_size)]
-        """Per owner: this rank's pieces of its parameters."""
-        self.incoming = [[x for x in pieces_of(r) if owner[x[0], x[2].param] == rank] for r in range(world_size)]
-        """Per rank: its pieces of the parameters this rank owns."""
+        self.outgoing, self.incoming = exchanged([g.layout for g in groups], owner, world_size, rank)
+        """Per rank: this rank's pieces of its parameters; its pieces of the parameters this rank owns."""
         self.out_numel = [sum(piece.numel for *_, piece in pieces) for pieces in self.outgoing]
         self.in_numel = [sum(piece.numel for *_, piece in pieces) for pieces in self.incoming]
 
@@ -107,13 +140,14 @@ class WholeParameterStep(StepBackend):
         self.whole = {(p.group, p.index): torch.empty(p.shape, dtype=self.dtype, device=stepped.device)
                       for p in self.plan.owned}
         self._whole_inner: Optional[torch.optim.Optimizer] = None
-        if self.plan.owned:
+        self._two_phase = hasattr(owner.optim, "prepare_step")  # see [Note: a norm over all ranks' updates]
+        if self.plan.owned or self._two_phase:
             groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
                       for g in stepped.inner.param_groups]
             for p in self.plan.owned:
                 groups[p.user_group]["params"].append(self.whole[p.group, p.index])
-            self._whole_groups = [gi for gi, g in enumerate(groups) if g["params"]]
-            self._whole_inner = owner.optim.__class__([g for g in groups if g["params"]], **stepped.kwargs)
+            self._whole_groups = [gi for gi, g in enumerate(groups) if g["params"] or self._two_phase]
+            self._whole_inner = owner.optim.__class__([groups[gi] for gi in self._whole_groups], **stepped.kwargs)
         self._release()
 
     def _release(self) -> None:
@@ -177,7 +211,13 @@ class WholeParameterStep(StepBackend):
             for key, tensor in self.whole.items():
                 tensor.data = values[key]
                 tensor.grad = gradients[key] if key in has_grad else None
-            self._whole_inner.step()
+            if self._two_phase:
+                share = self._whole_inner.prepare_step()
+                if share is not None:
+                    self.comm.all_reduce(share, what=lambda: "all-reduce of the squared norm of the updates")
+                self._whole_inner.finish_step(share)
+            else:
+                self._whole_inner.step()
             for tensor in self.whole.values():
                 tensor.grad = None
 
