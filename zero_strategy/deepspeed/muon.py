@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from ..optimizers import ADAM_DEFAULTS, MUON_DEFAULTS, NS_METHODS, DeepSpeedMuon, layer_shape
+from .factory import OptimizerFactory
 from .keys import DeepSpeedConfigError, Findings, read_flag, read_number
-from .optimizers import OptimizerFactory
 
 __all__ = ["MuonFactory", "muon_factory", "muon_param_groups", "tag_parameters"]
 

@@ -13,30 +13,17 @@ from __future__ import annotations
 import difflib
 import inspect
 import types
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from ..engine.optim.checks import WHOLE_PARAMETER_OPTIMIZERS
 from ..engine.optim.optimizer import ELEMENTWISE_OPTIMIZERS
+from .factory import OptimizerFactory
 from .keys import AUTO_HINT, DeepSpeedConfigError, Findings, is_auto, read_flag, read_section
+from .muon import muon_factory
 
 __all__ = ["OptimizerFactory", "optimizer_factory"]
-
-
-@dataclass(frozen=True)
-class OptimizerFactory:
-    """Builds the torch optimizer a config's ``"optimizer"`` section describes: ``factory(params)``."""
-
-    optimizer_class: type
-    kwargs: Mapping[str, Any]
-
-    def __call__(self, params: Any, module: Any = None, gradient_clipping: float = 0.0) -> torch.optim.Optimizer:
-        """``params``: parameters or param groups, as any torch optimizer takes them. ``module`` (the model)
-        and ``gradient_clipping`` (the config's) are for Muon's factory (deepspeed/muon.py)."""
-        return self.optimizer_class(params, **self.kwargs)
 
 
 TORCH_OPTIMIZERS = {name.lower(): cls for name, cls in vars(torch.optim).items() if inspect.isclass(cls)
@@ -74,8 +61,6 @@ def optimizer_factory(findings: Findings, section: dict, allow_untested: bool) -
         findings.problems.append(f"optimizer.type={name!r}: {REFUSED_OPTIMIZERS[lower]}")
         return None
     if lower == "muon":  # DeepSpeed's own Muon, not torch.optim.Muon
-        from .muon import muon_factory
-
         return muon_factory(findings, params)
     if lower in ("adam", "adamw"):
         cls = _adam_class(findings, lower, params)
