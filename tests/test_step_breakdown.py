@@ -359,7 +359,8 @@ def test_peak_flops_of_known_devices(monkeypatch):
                               ("NVIDIA H100 PCIe", torch.bfloat16, 756e12), ("NVIDIA H200", torch.float16, 989.4e12),
                               ("NVIDIA A100-SXM4-80GB", torch.float32, 19.5e12), ("NVIDIA L4", torch.bfloat16, 121e12),
                               ("NVIDIA A10G", torch.bfloat16, None), ("Tesla T4", torch.bfloat16, None),
-                              ("Tesla T4", torch.float16, 65e12), ("NVIDIA H100 NVL", torch.bfloat16, None)]:
+                              ("Tesla T4", torch.float16, 65e12), ("NVIDIA H100 NVL", torch.bfloat16, None),
+                              ("Tesla V100-PCIE-16GB", torch.float16, 112e12)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert peak_flops(cuda, dtype) == peak, name
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")

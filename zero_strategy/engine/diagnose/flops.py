@@ -39,7 +39,8 @@ PEAK_TFLOPS: tuple[tuple[str, Optional[tuple[float, bool, Optional[float], float
     (r"L40S", (362.1, True, 183.0, 91.6)),
     (r"\bL4\b", (121.0, True, 60.0, 30.3)),
     (r"\bA10\b", (125.0, True, 62.5, 31.2)),
-    (r"V100", (125.0, False, None, 15.7)),
+    (r"V100.*PCIE", (112.0, False, None, 14.0)),
+    (r"V100", (125.0, False, None, 15.7)),  # SXM2
     (r"\bT4\b", (65.0, False, None, 8.1)),
 )
 """Peak TFLOP/s of common GPUs, by the dtype of the matrix products."""
