@@ -77,7 +77,8 @@ def test_zero2_preset_and_what_a_run_prints(preset_sweep):
     check_finished_run(run_dir, stage=2, steps=6)
     out = proc.stdout
     for shown in ("zero-train model=gpt data=synthetic strategy=zero2", "Model-state memory per rank",
-                  "ZeRO formula", "Final metrics", "throughput/tokens_per_sec", "val/ppl", "Epoch 0"):
+                  "ZeRO formula", "Final metrics", "throughput/tokens_per_sec", "val/ppl", "Epoch 0",
+                  "Where the step's time went: rank 0, the mean of 5 steps after the first", "tokens/s over 2 rank(s)"):
         assert shown in out, shown
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train_ddp_process_1.log").is_file()
 
@@ -117,6 +118,7 @@ def test_each_strategy_preset_trains_on_two_processes_in_a_multirun_as_ddp(prese
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [str(j) for j in range(len(PRESETS))]
     for shown in ("Model-state memory per rank", "Final metrics"):
         assert proc.stdout.count(shown) == len(PRESETS), shown
+    assert proc.stdout.count("Where the step's time went") == len(PRESETS) - 1  # ZeroStrategy's table; not DDP's
 
 
 BAD = {

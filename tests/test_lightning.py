@@ -113,8 +113,13 @@ ZERO_CASES = {  # what each strategy's tests read
 }
 
 
+EXTRA = {("zero3-linear", "plain"): ("--log-every", "2", "--keep-printed")}
+"""Arguments a case adds that change nothing it is compared on: the step breakdown's logs and table
+(issue 53) are read from zero3-linear's plain case."""
+
+
 def _zero_cases() -> dict[str, tuple[str, ...]]:
-    return {f"{strategy}__{name}": (*CASES[name], "--strategy", strategy)
+    return {f"{strategy}__{name}": (*CASES[name], *EXTRA.get((strategy, name), ()), "--strategy", strategy)
             for strategy, names in ZERO_CASES.items() for name in names}
 
 
@@ -230,6 +235,26 @@ def assert_comm_stats_predicted(zero: list[dict], accumulation_steps: int = 1, n
     for rank, z in enumerate(zero):
         assert z["comm"] == want, f"rank {rank}"
     assert want["total"] > 0
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_the_step_breakdown_is_logged_and_its_table_printed_at_the_end_of_fit(tmp_root):
+    from zero_strategy.engine.diagnose.breakdown import PARTS
+    from zero_strategy.step_report import LABELS
+
+    zero = zero_runs(tmp_root, "zero3-linear")["plain"]
+    for z in zero:  # logged every 2 steps (log_every_n_steps), the means of the steps since the last log
+        metrics = z["metrics"]
+        parts = [metrics[f"zero/{part}_ms"] for part in PARTS]
+        assert min(parts) >= 0 and sum(parts) == pytest.approx(metrics["zero/step_ms"], rel=1e-6)
+        assert metrics["zero/samples_per_sec"] > 0 and metrics["zero/model_tflops"] > 0
+        assert "zero/mfu" not in metrics  # a CPU's peak is not known
+    table = zero[0]["printed"].split("Where the step's time went: ")[1]  # rank 0 prints it, once
+    assert table.startswith("rank 0, the mean of 11 steps after the first") and zero[1]["printed"] == ""
+    for part in PARTS:
+        assert f"\n  {LABELS[part]}" in table
+    assert "max over ranks" in table and "throughput: " in table and "FLOPs: " in table
+    assert "(as the communication model predicts" in table  # the bytes measured are the prediction's
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT)

@@ -291,6 +291,21 @@ class ZeroConfig:
         forward per ``training_step`` and ``validation_step`` while fitting, as Lightning's DDP wraps
         them; ``initialize`` never broadcasts (DeepSpeed's engine does not).""")
 
+    # ---- where the step's time goes (issue 53): see [Note: the step breakdown] in engine/diagnose/breakdown.py
+    step_breakdown: bool = option(True, deepspeed=(), doc="""
+        Time every training step's parts: forward and backward computation, the communication waited for
+        and not hidden (stage 3's gathers, the gradient reductions, the step's all-gather, the rest), the
+        optimizer step, offload copies and what happens outside them; count the model's FLOPs once (on the
+        first step) for tokens and samples per second and MFU. The front ends log the figures and print a
+        table at the end of training (see "Where the step's time goes" in docs/trainer.md). It costs two
+        clock reads per collective waited for (on CUDA, events: no synchronization); False: none.""")
+
+    peak_flops: Optional[float] = option(None, deepspeed=(), doc="""
+        The peak FLOP/s of one device, for MFU (model FLOPs utilisation: the FLOPs counted per second
+        over this peak), e.g. 989e12 for an H100 SXM in bf16. None: the dense tensor-core peak of the
+        working dtype for the GPUs the package knows (A100, H100, H200, L4, L40S, A10, V100, T4), else
+        no MFU (a CPU, another GPU).""")
+
     def _check_shard_group_size(self) -> None:
         size = self.shard_group_size
         if size not in (None, "node") and (type(size) is not int or size < 1):
@@ -361,6 +376,14 @@ class ZeroConfig:
             raise ValueError(f"cpu_mmap_threshold_mb={mmap!r} must be a number of MiB from {MIN_MMAP_THRESHOLD_MB} "
                              f"(glibc's own starting value) to {MAX_MMAP_THRESHOLD_MB} (its limit; 4 is the default), "
                              "or None to leave glibc's own rule.")
+        if not isinstance(self.step_breakdown, bool):
+            raise ValueError(f"step_breakdown={self.step_breakdown!r} must be True (time each step's parts, the "
+                             "default) or False (measure nothing).")
+        peak = self.peak_flops
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not math.isfinite(peak)
+                                 or peak <= 0):
+            raise ValueError(f"peak_flops={peak!r} must be a positive number of FLOP/s per device (e.g. 312e12 for "
+                             "an A100 in bf16), or None to look the device up.")
         if not isinstance(self.broadcast_buffers, bool):
             raise ValueError(f"broadcast_buffers={self.broadcast_buffers!r} must be True (rank 0's buffers go to every "
                              "rank before a forward, as DDP's default) or False (each rank keeps its own).")

@@ -76,9 +76,11 @@ from .frontend.named_state import load_named_state, save_named_state, save_named
 from .frontend.options import ProcessLayout, barrier, broadcast_object, read_options, takes_options
 from .frontend.precision import WorkingPrecisionPlugin, generic_precision_name
 from .frontend.pretrained import save_pretrained
+from .frontend.setup import reporter
 from .memory import memory_stats
 from .checkpoint.pretrained_files import is_pretrained_path
 from .pretrained import load_pretrained, sharded_init
+from .step_report import Reporter, StepSummary, summarize, units_of
 from .world import join_world, set_world_ranks
 
 log = logging.getLogger(__name__)
@@ -179,6 +181,7 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         self._process_group_backend: Optional[str] = given["process_group_backend"]
         self._comm: Optional[Collectives] = None
         self._engines: list[EngineModel] = []  # one per module set up
+        self._reporter: Optional[Reporter] = None  # the step breakdown's, once a module is set up
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
 
     # ---- the layout of processes -----------------------------------------------------------
@@ -276,6 +279,8 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
             raise ValueError(f"fabric.setup: this {type(module).__name__} is set up already; set each model up once.")
         engine = setup_engine(module, self.config, self.precision.working, self.comm, self.root_device, optimizers)
         self._engines.append(engine)
+        if self._reporter is None and self.config.step_breakdown:
+            self._reporter = reporter(engine)
         return engine
 
     def _find_engine(self, module: nn.Module) -> Optional[EngineModel]:
@@ -394,6 +399,29 @@ class ZeroFabricStrategy(ProcessLayout, ParallelStrategy, _Sharded):
         state_dict = read_state_dict_file(path, weights_only)  # memory-mapped: each rank reads its slices
         self.load_module_state_dict(module, state_dict, strict)
         return {}
+
+    # ---- where the step's time goes: see [Note: the step breakdown] in engine/diagnose/breakdown.py --
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, **kwargs)
+        if self._reporter is not None:  # see [Note: advice from the breakdown] in step_report.py
+            for text in self._reporter.new_advice():
+                if self.is_global_zero:
+                    log.warning("zero_strategy: %s", text)
+        return out
+
+    def step_metrics(self) -> dict[str, float]:
+        """The means of the training steps ended since the last call, by part (``zero/<part>_ms``), with
+        throughput and MFU, for ``fabric.log_dict(fabric.strategy.step_metrics(), step=...)``; this rank's."""
+        return self._reporter.window() if self._reporter is not None else {}
+
+    def step_breakdown(self) -> StepSummary:
+        """This rank's mean training step so far, by part, with throughput, FLOPs, MFU and advice;
+        ``print(fabric.strategy.step_breakdown().table())`` shows it. Empty with ``step_breakdown=False``."""
+        engine = self._engines[0] if self._engines else None
+        return summarize(self.comm.breakdown, engine.config if engine is not None else self.config,
+                         self.comm.world_size, self._reporter.peak if self._reporter is not None else None,
+                         units_of(engine.sharder if engine is not None else None), self.comm.comm_stats())
 
     # ---- memory and the end ----------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Generator, Mapping
@@ -31,6 +32,7 @@ from .checkpoint import is_deepspeed_checkpoint, is_sharded_checkpoint
 from .checkpoint.background import BackgroundSaver
 from .checkpoint.deepspeed import fit_to_module
 from .checkpoint.sharded import masters_from_state_dict, on_every_rank
+from .comm_model import predict_step_bytes
 from .config import ZeroConfig
 from .deepspeed.config import DeepSpeedSettings
 from .deepspeed.trainer import apply_to_trainer, check_batch_size, optimizers_from_config
@@ -47,12 +49,14 @@ from .frontend.checkpoint import whole_modules_in
 from .frontend.in_step import apply_layer_sync, no_sync, one_forward
 from .frontend.options import ProcessLayout, barrier, broadcast_object, read_options, takes_options
 from .frontend.pretrained import save_pretrained
-from .frontend.setup import engine_config
+from .frontend.setup import engine_config, reporter
 from .memory import memory_stats
 from .precision import ZeroPrecision, to_zero_precision
 from .pretrained import sharded_init
+from .step_report import Reporter, StepSummary, summarize, units_of
 from .world import join_world, set_world_ranks
 
+log = logging.getLogger(__name__)
 _SHARDED = "_zero_sharded_checkpoint"  # a loaded checkpoint's reader, for the load hooks below
 # what Lightning's restore requires of a checkpoint, which one that another front end wrote (Fabric's,
 # initialize's) lacks: the weights, optimizer state and loss scale resume, the loops start anew
@@ -125,6 +129,8 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         self._layer_synced = False  # sync_batchnorm applied by this fit's setup, reverted at its teardown
         self._set_up = False  # the engine's setup of this run is done (stage 3 loads checkpoints after it)
         self._deferred_load: Optional[tuple[Mapping[str, Any], bool]] = None
+        self._reporter: Optional[Reporter] = None  # while fitting with step_breakdown: see _report_step
+        self._predicted: Optional[dict[str, int]] = None  # the communication model's bytes of one step
 
     # ---- what Lightning asks about the layout of processes ---------------------------------
 
@@ -187,6 +193,8 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         if fitting and self._layer_sync is not None:  # sync_batchnorm=True, as Lightning's DDP applies it
             self.model = apply_layer_sync(self._layer_sync, self.model, self.root_device)
             self._layer_synced = True
+        if fitting and self.config.step_breakdown:  # while the parameters have their whole shapes
+            self._predicted = self._predict_step_bytes(trainer)
         engine = setup_engine(self.model, self.config, self.precision_plugin.working, self.comm, self.root_device,
                               configure_optimizers if fitting else (), sharder=self._sharder, hook_buffer_sync=False)
         self._sharder = engine.sharder
@@ -194,6 +202,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         self._buffer_sync = engine.buffer_sync if fitting else None  # the steps DDP wraps: see training_step
         if fitting:
             self.optimizers = list(engine.optimizers)
+            self._reporter = reporter(engine) if self.config.step_breakdown else None
         self._set_up = True
         if self._deferred_load is not None:  # stage 3: a checkpoint's weights, into the shards just made
             deferred, self._deferred_load = self._deferred_load, None
@@ -262,6 +271,7 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
         install_sigterm_handler()  # after the Trainer installed its own, which it keeps calling
         if self.deepspeed is not None and self.lightning_module is not None:
             check_batch_size(self.deepspeed, self.lightning_module.trainer, self.world_size)
+        self.comm.breakdown.reset()  # the first step's time starts here, not at setup
 
     def on_validation_start(self) -> None:
         install_sigterm_handler()
@@ -284,17 +294,33 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
 
     def on_train_end(self) -> None:
         mark("ended the training loop")
+        if self._reporter is not None:  # every rank: the ranks' figures are gathered
+            self._print_breakdown()
 
     # ---- stage 3: the root unit is held around each step, and state dicts are gathered ------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # Lightning's DDP runs the fit's training and validation steps through DDP's forward, which
-        # broadcasts the buffers: the same here (see [Note: buffers kept in step] in engine/params/buffer_sync.py)
-        with one_forward(self._buffer_sync):
-            if self._sharder is not None:
-                self._sharder.hold_root()  # released when backward ends
-            with offload_activations(enabled=self.config.offload_activations):  # saved tensors wait in host memory
-                return super().training_step(*args, **kwargs)
+        # the training step is the step's forward phase, its batch args[0] (see [Note: the step breakdown])
+        timer, output = self.comm.breakdown, None
+        timer.forward_began(args[:1], self.lightning_module)
+        try:
+            # Lightning's DDP runs the fit's training and validation steps through DDP's forward, which
+            # broadcasts the buffers: the same here (see [Note: buffers kept in step] in engine/params/buffer_sync.py)
+            with one_forward(self._buffer_sync):
+                if self._sharder is not None:
+                    self._sharder.hold_root()  # released when backward ends
+                with offload_activations(enabled=self.config.offload_activations):  # saved tensors in host memory
+                    output = super().training_step(*args, **kwargs)
+                    return output
+        finally:
+            timer.forward_ended(output)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any,
+                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._reporter is not None:
+            self._report_step()
+        return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with one_forward(self._buffer_sync), self._root_held():
@@ -318,6 +344,53 @@ class ZeroStrategy(ProcessLayout, ParallelStrategy):
             yield
         finally:
             self._sharder.release_root()
+
+    # ---- where the step's time goes: see [Note: the step breakdown] in engine/diagnose/breakdown.py --
+
+    def _report_step(self) -> None:
+        """After an optimizer step: when the Trainer writes its logs, the means of the steps since the last
+        time, as ``zero/<part>_ms``, throughput and MFU (rank 0's); advice, once."""
+        assert self._reporter is not None and self.lightning_module is not None
+        connector = getattr(self.lightning_module.trainer, "_logger_connector", None)
+        if getattr(connector, "should_update_logs", True):
+            metrics = self._reporter.window()
+            if metrics:
+                self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        for text in self._reporter.new_advice():  # see [Note: advice from the breakdown] in step_report.py
+            if self.is_global_zero:
+                log.warning("zero_strategy: %s", text)
+
+    def step_breakdown(self) -> StepSummary:
+        """This rank's mean training step so far, by part (see [Note: the step breakdown]), with
+        throughput, FLOPs, MFU and advice; ``.table()`` is what the end of ``fit`` prints, ``.metrics()``
+        what is logged. Empty with ``step_breakdown=False``."""
+        report = self._reporter
+        return summarize(self.comm.breakdown, self.engine_config, self.world_size,
+                         report.peak if report is not None else None, units_of(self._sharder),
+                         self.comm.comm_stats(), self._predicted)
+
+    def _print_breakdown(self) -> None:
+        summary = self.step_breakdown()  # its advice lines included
+        summary.ranks_ms = self.comm.all_gather_object(summary.ms)
+        if self.is_global_zero and summary.steps:
+            print(summary.table(), flush=True)
+
+    def _predict_step_bytes(self, trainer: "pl.Trainer") -> Optional[dict[str, int]]:
+        """The communication model's bytes for one step of this fit (see [Note: the communication model]),
+        shown beside the measured ones; None at stage 3 once the parameters are shards (a second fit), or
+        where the model cannot lay the module out."""
+        if self.config.stage == 3 and self._sharder is not None:
+            return None
+        assert self.model is not None
+        precision = self.precision_plugin.working
+        clipping = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
+        try:
+            return predict_step_bytes(  # type: ignore[return-value]
+                self.model, self.engine_config, self.world_size, self.num_processes or None, dtype=precision.dtype,
+                loss_scaling=precision.scaler is not None, clipping=clipping,
+                accumulation_steps=trainer.accumulate_grad_batches, backend=self.comm.backend)
+        except Exception:  # noqa: BLE001 - only shown beside the measurement: never the reason a fit fails
+            return None
 
     # ---- checkpoints: sharded directories (see [Note: checkpoint layout]) or one full file ------
 

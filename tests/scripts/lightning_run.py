@@ -12,7 +12,9 @@ would), writing OUT/<case>/rank{r}.pt: one launch serves many tests that share a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -239,6 +241,7 @@ def trainer(args, max_steps: int, callbacks: tuple = ()) -> L.Trainer:
         callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=args.clip or None, gradient_clip_algorithm=args.clip_algorithm,
         accumulate_grad_batches=args.accumulate,
+        log_every_n_steps=args.log_every,
     )
 
 
@@ -266,6 +269,8 @@ def main() -> None:
     parser.add_argument("--net-in-hparams", action="store_true",
                         help="NetInHparams (a batch norm; with --stop-at saved by ModelCheckpoint)")
     parser.add_argument("--no-broadcast-buffers", action="store_true", help="broadcast_buffers=False")
+    parser.add_argument("--log-every", type=int, default=50, help="Trainer(log_every_n_steps=...)")
+    parser.add_argument("--keep-printed", action="store_true", help="save what fit printed to stdout")
     args = parser.parse_args()
     if args.cases is None:
         run(args)
@@ -310,7 +315,9 @@ def run(args: argparse.Namespace) -> None:
         fit_trainer.fit(model, train, val, ckpt_path=ckpt, weights_only=False if args.net_in_hparams else None)
     else:
         fit_trainer = trainer(args, args.steps)
-        fit_trainer.fit(model, train, val)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed) if args.keep_printed else contextlib.nullcontext():
+            fit_trainer.fit(model, train, val)
     fit_metrics = {k: float(v) for k, v in fit_trainer.callback_metrics.items()}  # before validate resets them
     fit_buffers = {k: v.clone() for k, v in model.named_buffers()}  # before validate's set-up takes rank 0's
     memory = fit_trainer.strategy.memory_stats() if hasattr(fit_trainer.strategy, "memory_stats") else {}
@@ -339,6 +346,7 @@ def run(args: argparse.Namespace) -> None:
         # [Note: checkpoint layout] in zero_strategy/checkpoint/store.py
         "params": whole_state(fit_trainer),
         "net_at_save": net_at_save, "loaded_net": getattr(model, "loaded_net", {}), "fit_buffers": fit_buffers,
+        "printed": printed.getvalue() if args.keep_printed and not args.stop_at else "",
     }, os.path.join(args.out, f"rank{rank}.pt"))
 
 

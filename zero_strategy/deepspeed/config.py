@@ -34,6 +34,7 @@ from .keys import (AUTO_HINT, AUTO_OK, MAPPED, RULES, ZERO_ALIASES, DeepSpeedCon
                    load_deepspeed_config, read_accumulation, read_bf16_low_precision, read_flag, read_integer,
                    read_number, read_section, read_zero_plus_plus, typo_hint)
 from .optimizers import OptimizerFactory, optimizer_factory
+from .reporting import Reporting, read_reporting
 from .schedulers import scheduler_from_config
 
 __all__ = ["DEFAULT_GRADIENT_CLIPPING", "DeepSpeedConfigError", "DeepSpeedSettings", "OptimizerFactory",
@@ -93,6 +94,9 @@ class DeepSpeedSettings:
     """How some mapped keys were read (bucket sizes, pinning, ...)."""
     autocast: Optional[AutocastSettings] = None
     """The enabled ``torch_autocast`` section, read by ``initialize`` only (see [Note: torch_autocast])."""
+    reporting: Reporting = Reporting()
+    """``wall_clock_breakdown``, ``steps_per_print``, ``flops_profiler``: printed by ``initialize``'s engine
+    (see [Note: DeepSpeed's reports] in deepspeed/reporting.py)."""
 
     def clipping(self, trainer_value: Optional[float] = None) -> float:
         """The gradient norm to clip to (0.0: none). The config's value when it gives one; else
@@ -327,6 +331,7 @@ def map_deepspeed_config(config: Union[dict, str, os.PathLike], world_size: Opti
     reader.walk(config)
     config_precision, precision_kwargs = reader.precision(config)
     autocast = read_torch_autocast(config, reader, config_precision, front_end)
+    reporting = read_reporting(config, reader, front_end)
     strategy = reader.zero(read_section(config.get("zero_optimization") or {}, "zero_optimization"),
                            _element_size(config_precision or precision))
     strategy.update(read_bf16_low_precision(config, config_precision, reader))
@@ -374,7 +379,8 @@ def map_deepspeed_config(config: Union[dict, str, os.PathLike], world_size: Opti
         world_size=world_size, dataloader_drop_last=read_flag(config.get("dataloader_drop_last", False),
                                                               "dataloader_drop_last"),
         optimizer=optimizer, scheduler=scheduler, activation_checkpointing=types.MappingProxyType(activation),
-        ignored=types.MappingProxyType(reader.ignored), notes=tuple(reader.notes), autocast=autocast)
+        ignored=types.MappingProxyType(reader.ignored), notes=tuple(reader.notes), autocast=autocast,
+        reporting=reporting)
 
 
 _PRECISION_NAMES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}

@@ -49,6 +49,8 @@ from ..activation import offload_activations
 from ..config import ZeroConfig
 from ..engine import Collectives, FlatParameters, ZeroOptimizer
 from ..frontend import EngineModel, WorkingPrecision, clip_grad_norm, setup_engine
+from ..frontend.setup import reporter
+from ..step_report import StepSummary, summarize, units_of
 from ..frontend.pretrained import save_pretrained
 from ..optimizers import DeepSpeedMuon
 from . import engine_checkpoint
@@ -59,6 +61,7 @@ from .config import DeepSpeedSettings, map_deepspeed_config
 from .engine_parts import (build_dataloader, build_optimizer, build_scheduler, check_batch_sizes, engine_device,
                            resolve_config)
 from .launch import DEFAULT_PORT, init_distributed, local_rank
+from .reporting import EngineReports
 
 __all__ = ["ZeroEngine", "initialize"]
 
@@ -93,6 +96,7 @@ class ZeroEngine(nn.Module):
         self.skipped_steps = 0
         self.micro_steps = 0  # step() calls, boundary or not
         self._global_grad_norm: Optional[float] = None
+        self._reporter = reporter(model)  # the step breakdown's: see step_breakdown()
         self._step_applied = False
         self._engine_backward_depth = 0  # > 0 while backward() runs: see [Note: one division per path]
         self._scaled_for_backward = False  # scale() made the loss of the coming direct backward
@@ -101,6 +105,8 @@ class ZeroEngine(nn.Module):
                                         # engine/grads/accumulation.py
             me = weakref.ref(self)  # the optimizer must not keep its engine alive
             self.optimizer.defer_reduction_when(lambda: not _at_boundary(me))
+        # wall_clock_breakdown, steps_per_print, flops_profiler: see [Note: DeepSpeed's reports]
+        self.reports = EngineReports(self, settings.reporting) if settings.reporting.any else None
 
     # ---- what tutorials ask of the engine ------------------------------------------------------
 
@@ -112,9 +118,13 @@ class ZeroEngine(nn.Module):
         if self.precision.dtype is not torch.float32 and self.precision.autocast_dtype is None:
             inputs, kwargs = self.precision.convert_input((inputs, kwargs))  # as fp16.auto_cast does; under
             # torch_autocast each op's dtype is autocast's, as in DeepSpeed (which casts no input then)
+        if self.reports is not None:
+            self.reports.began("forward")
         with offload_activations(enabled=self.zero_config.offload_activations and torch.is_grad_enabled()), \
                 self.precision.autocast(self._device.type):  # torch_autocast: see [Note: torch_autocast]
             outputs = self.module(*inputs, **kwargs)
+        if self.reports is not None:
+            self.reports.ended("forward")
         return route_outputs(outputs, self) if self.optimizer is not None else outputs
 
     def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
@@ -128,10 +138,14 @@ class ZeroEngine(nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         self._engine_backward_depth += 1
+        if self.reports is not None:
+            self.reports.began("backward")
         try:
             self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
         finally:
             self._engine_backward_depth -= 1
+        if self.reports is not None:
+            self.reports.ended("backward")
         return loss
 
     def scale(self, loss: Tensor) -> Tensor:
@@ -153,7 +167,10 @@ class ZeroEngine(nn.Module):
         """At an accumulation boundary: reduce, clip, step the optimizer and the LR scheduler, zero the
         gradients; between boundaries nothing but the count (see [Note: the engine's step, as DeepSpeed's])."""
         optimizer = self._need_optimizer("step")
-        if self.is_gradient_accumulation_boundary():
+        if self.reports is not None:
+            self.reports.began("step")
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             clip = self.gradient_clipping()
             if isinstance(optimizer.optim, DeepSpeedMuon) and optimizer.optim.gradient_clipping > 0:
                 clip = 0.0  # it clips its updates (as DeepSpeed's Muon at stages 1-3); the gradients' norm is logged
@@ -167,6 +184,14 @@ class ZeroEngine(nn.Module):
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             optimizer.zero_grad()
+        if self.reports is not None:  # printed before the counts move, as DeepSpeed numbers its steps
+            self.reports.ended("step")
+            self.reports.step_ended(boundary)
+        if boundary:  # see [Note: advice from the breakdown] in step_report.py
+            for text in self._reporter.new_advice():
+                if self.global_rank == 0:
+                    log.warning("zero_strategy: %s", text)
+        if boundary:
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         self.micro_steps += 1
@@ -193,10 +218,17 @@ class ZeroEngine(nn.Module):
         first, and unchanged by a step skipped for an fp16 overflow)."""
         return self._global_grad_norm
 
-    def comm_stats(self) -> dict[str, int]:
+    def comm_stats(self, times: bool = False) -> dict[str, float]:
         """Bytes this rank sent in its last step (since the previous boundary's step), by collective kind
-        and by link: see ZeroStrategy.comm_stats() and [Note: bytes sent] in engine/comm/volume.py."""
-        return self.comm.comm_stats()
+        and by link, and with ``times`` the seconds waited for them: see ZeroStrategy.comm_stats() and
+        [Note: bytes sent] in engine/comm/volume.py."""
+        return self.comm.comm_stats(times)
+
+    def step_breakdown(self) -> StepSummary:
+        """This rank's mean optimizer step so far, by part, with throughput, FLOPs, MFU and advice (see
+        [Note: the step breakdown] in engine/diagnose/breakdown.py); ``.table()`` prints it."""
+        return summarize(self.comm.breakdown, self.zero_config, self.world_size, self._reporter.peak,
+                         units_of(self.sharder), self.comm.comm_stats())
 
     def gradient_clipping(self) -> float:
         """The norm gradients are clipped to at each step (0.0: none; 1.0 when the config is silent)."""
@@ -311,7 +343,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     stage = int(settings.strategy["stage"])
     # broadcast_buffers=False: DeepSpeed's engine broadcasts the parameters once (_broadcast_model) and the
     # buffers never, so a ported script keeps each rank's own (see [Note: buffers kept in step])
-    zero_config = ZeroConfig(**{**settings.strategy, "stage": max(stage, 1), "broadcast_buffers": False})
+    # the FLOPs and latencies of DeepSpeed's reports are the step breakdown's (see [Note: DeepSpeed's reports])
+    timed = {"step_breakdown": True} if settings.reporting.wall_clock_breakdown else {}
+    zero_config = ZeroConfig(**{**settings.strategy, "stage": max(stage, 1), "broadcast_buffers": False, **timed})
     comm = Collectives(collective_timeout=zero_config.collective_timeout)
     rank_here = local_rank_from_arguments(args)  # see [Note: args.local_rank] in deepspeed/arguments.py
     rank_here = local_rank() if rank_here is None else rank_here

@@ -137,11 +137,12 @@ MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section (""
 
 RULES: dict[str, Rule] = {
     # top level: reporting and DeepSpeed internals
+    # the three reports: printed by initialize's engine (see [Note: DeepSpeed's reports] in reporting.py)
     "steps_per_print": _harmless("progress is reported by Lightning's progress bar and loggers"),
-    "wall_clock_breakdown": _harmless("timing; use Trainer(profiler=...)"),
+    "wall_clock_breakdown": _harmless("the step breakdown is logged through Lightning's loggers (step_breakdown)"),
     "memory_breakdown": _harmless("memory report; use strategy.memory_stats()"),
     "dump_state": _harmless("a debug print of DeepSpeed's engine"),
-    "flops_profiler": _harmless("use Trainer(profiler=...) or Lightning's ThroughputMonitor"),
+    "flops_profiler": _harmless("FLOPs, throughput and MFU are logged with the step breakdown (step_breakdown)"),
     "comms_logger": _harmless("communication logging of DeepSpeed's own collectives"),
     "tensorboard": _harmless(_LOGGING), "wandb": _harmless(_LOGGING), "csv_monitor": _harmless(_LOGGING),
     "comet": _harmless(_LOGGING), "timers": _harmless("DeepSpeed's internal timers"),

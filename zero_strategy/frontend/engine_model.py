@@ -14,6 +14,7 @@ from ..checkpoint.sharded import flat_groups
 from ..config import ZeroConfig
 from ..engine import Collectives, FlatParameters, ZeroOptimizer
 from ..engine.buffers.flat import FlatGroup
+from ..engine.params.attached import detach_hook
 from ..engine.params.buffer_sync import BufferBroadcast
 from .precision import WorkingPrecision
 
@@ -33,6 +34,7 @@ class EngineModel:
     optimizers: list[ZeroOptimizer] = field(default_factory=list)
     saver: Optional[BackgroundSaver] = None  # with async_save: see [Note: saving in the background]
     buffer_sync: Optional[BufferBroadcast] = None  # with broadcast_buffers: see [Note: buffers kept in step]
+    hooks: list = field(default_factory=list)  # (module, handle) of the step breakdown's forward hooks
 
     @property
     def stage(self) -> int:
@@ -62,4 +64,8 @@ class EngineModel:
             self.sharder.remove_hooks()
         if self.buffer_sync is not None:
             self.buffer_sync.remove_hooks()
+        for module, handle in self.hooks:
+            detach_hook(module, handle)
+        self.hooks.clear()
+        self.comm.breakdown.unwatch(self.module)
         remove_activation_offload(self.module)

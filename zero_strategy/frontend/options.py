@@ -244,9 +244,10 @@ class ProcessLayout:
         per_node = self.num_processes if self.num_processes and world % self.num_processes == 0 else None
         return Collectives(collective_timeout=config.collective_timeout, ranks_per_node=per_node)
 
-    def comm_stats(self) -> dict[str, int]:
+    def comm_stats(self, times: bool = False) -> dict[str, float]:
         """Bytes this rank sent in its last training step (forward, backward and optimizer step), by
         collective kind and by link: all_gather, reduce_scatter, all_reduce, broadcast, total,
         intra_node, inter_node (see [Note: bytes sent] in engine/comm/volume.py). Zeros before the
-        first step."""
-        return self.comm.comm_stats()  # type: ignore[attr-defined]
+        first step. ``times``: also the seconds this rank waited for them, not hidden by computation
+        (``<kind>_s`` and ``total_s``: see [Note: the step breakdown] in engine/diagnose/breakdown.py)."""
+        return self.comm.comm_stats(times)  # type: ignore[attr-defined]

@@ -30,7 +30,9 @@ ZeroStrategy, Fabric's ZeroFabricStrategy and ``initialize`` alike:
    they enclose the stage-3 sharder's. Then, with ``broadcast_buffers`` over several ranks, the
    buffer broadcast before each forward (see [Note: buffers kept in step] in
    engine/params/buffer_sync.py), hooked first on the module's forward unless the front end counts
-   forwards itself (the Trainer: its steps, as Lightning's DDP wraps them).
+   forwards itself (the Trainer: its steps, as Lightning's DDP wraps them). With ``step_breakdown``
+   the module's forward is the step's forward phase (see [Note: the step breakdown] in
+   engine/diagnose/breakdown.py; the sharder hooks it already where it holds the module).
 7. each optimizer re-created over this rank's pieces (``ZeroOptimizer``), with the loss scaler.
    ``add_optimizers`` is this step alone, for front ends that get optimizers after the module
    (Fabric's ``setup_module`` then ``setup_optimizers``): at stage 3 they map onto the units' groups
@@ -54,10 +56,13 @@ from ..activation import apply_activation_checkpointing, offload_activations_in_
 from ..checkpoint.background import BackgroundSaver
 from ..config import ZeroConfig
 from ..engine import Collectives, FlatParameters, ZeroOptimizer, shard_module
+from ..engine.diagnose.flops import peak_flops
+from ..engine.params.attached import attach_hook
 from ..engine.params.buffer_sync import BufferBroadcast
 from ..engine.params.edits import seal
 from ..engine.params.materialize import fill_deferred, materialize_buffers, materialize_whole
 from ..generation import sync_generation
+from ..step_report import Reporter
 from .engine_model import EngineModel
 from .precision import WorkingPrecision
 from .pretrained import guard_hf_save_pretrained
@@ -139,7 +144,18 @@ def setup_engine(module: nn.Module, config: ZeroConfig, precision: WorkingPrecis
         model.buffer_sync = BufferBroadcast(module, comm)
         if hook_buffer_sync:
             model.buffer_sync.hook()
+    comm.breakdown.enable(config.step_breakdown, device)
+    if config.step_breakdown:
+        model.hooks += [(module, attach_hook(module, handle)) for handle in comm.breakdown.watch(module)]
     return add_optimizers(model, built)  # 7
+
+
+def reporter(model: EngineModel) -> Reporter:
+    """What the front ends read of the step breakdown of ``model``'s engine (see step_report.py): the
+    device's peak FLOP/s for the dtype its matrix products run in."""
+    dtype = model.precision.autocast_dtype or model.precision.dtype
+    return Reporter(model.comm.breakdown, model.config, model.comm.world_size, peak_flops(model.device, dtype),
+                    model.sharder)
 
 
 def _rank0_rng(comm: Collectives, device: torch.device) -> Callable[[torch.Tensor], None]:

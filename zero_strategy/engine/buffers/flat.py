@@ -59,7 +59,9 @@ import torch
 
 from ..comm.collectives import Collectives, Describe, Pending, after
 from ..comm.quantize import QuantSpec, dequantize_into, packed_row_bytes, quantize_rows
+from ..diagnose.breakdown import OFFLOAD
 from ..diagnose.header import Header
+from ..diagnose.ranges import span
 from .host import HOST, host_copy
 from .layout import GroupLayout, Piece, Segment, align_elements, plan_group
 from .pool import BufferPool
@@ -304,7 +306,11 @@ class ShardedGroup(FlatGroup):
         if keep_secondary is not None:
             self.secondary, self.secondary_spec = {}, quantize
         n = self.layout.world_size
-        shard = self.shard.to(self.device, non_blocking=True)  # a host shard goes to the device first
+        shard = self.shard
+        if self.offload_shard:  # a host shard goes to the device first: the step's offload time
+            with span(lambda: f"zero/offload shard to device {self.unit_name}"), \
+                    comm.breakdown.waiting(OFFLOAD, "copy"):  # see [Note: profiler ranges], [Note: the step breakdown]
+                shard = self.shard.to(self.device, non_blocking=True)
         pending = []
         for si, seg in enumerate(self.segments):
             out, own = self.segment_of(buffer, seg), self.segment_shard(shard, seg)

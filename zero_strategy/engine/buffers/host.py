@@ -13,7 +13,12 @@ already fp32 and is its own master.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from ..diagnose import breakdown
+from ..diagnose.ranges import span
 
 HOST = torch.device("cpu")
 
@@ -31,6 +36,10 @@ def host_copy(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) ->
 
 
 def wait_for_copies(device: torch.device) -> None:
-    """Block until the non-blocking copies queued on ``device`` are done (nothing to wait for on CPU)."""
+    """Block until the non-blocking copies queued on ``device`` are done (nothing to wait for on CPU);
+    the wait counts as the step's ``offload`` (see [Note: the step breakdown] in engine/diagnose/breakdown.py)."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        timer = breakdown.active()
+        with span(lambda: "zero/offload wait for copies"), \
+                timer.waiting(breakdown.OFFLOAD) if timer is not None else contextlib.nullcontext():
+            torch.cuda.current_stream(device).synchronize()

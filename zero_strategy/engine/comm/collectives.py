@@ -57,11 +57,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..diagnose.breakdown import COMM_OTHER, StepBreakdown
 from ..diagnose.divergence import HISTORY, compare_posted
 from ..diagnose.header import HEADER_BYTES, Header
 from ..diagnose.watchdog import Watchdog
 from .quantize import QuantSpec, dequantize_sum, quantize_rows
-from .volume import CommCounter, NodeLayout, sent_bytes
+from .volume import KINDS, CommCounter, NodeLayout, sent_bytes
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -81,18 +82,38 @@ def _unnamed() -> str:
 
 
 class Pending:
-    """A collective in flight. ``wait()`` blocks until it is done, then runs what completes it."""
+    """A collective in flight. ``wait()`` blocks until it is done, then runs what completes it.
+
+    ``timer`` (its engine's) times the wait as the part of the step ``wait(part)`` names, and files it
+    under the collective's ``kind`` too (see [Note: the step breakdown] in engine/diagnose/breakdown.py).
+    """
 
     def __init__(self, work: Optional[dist.Work] = None, then: Optional[Callable[[], object]] = None,
                  watchdog: Optional[Watchdog] = None, what: Describe = _unnamed,
-                 waiting: Optional[Callable[[float], None]] = None) -> None:
+                 waiting: Optional[Callable[[float], None]] = None, timer: Optional[StepBreakdown] = None,
+                 kind: Optional[str] = None) -> None:
         self._work = work
         self._then = then
         self._watchdog = watchdog
         self._what = what
         self._waiting = waiting  # see Watchdog.wait
+        self._timer = timer
+        self.kind = kind  # a key of comm_stats(): all_gather, reduce_scatter, ...
 
-    def wait(self) -> None:
+    def wait(self, part: str = COMM_OTHER) -> None:
+        """Block until done; the time it blocked counts as ``part`` of the step (one of the waits of
+        [Note: the step breakdown]; a wait inside another counts as the outer one's)."""
+        timer = self._timer
+        if timer is None or not timer.enabled or (self._work is None and self._then is None):
+            self._complete()
+            return
+        start = timer.wait_began()
+        try:
+            self._complete()
+        finally:
+            timer.wait_ended(start, part, self.kind)
+
+    def _complete(self) -> None:
         if self._work is not None:
             work, self._work = self._work, None
             if self._watchdog is not None:
@@ -109,7 +130,7 @@ def after(pending: Pending, then: Callable[[], object]) -> Pending:
     def finish() -> None:
         pending.wait()
         then()
-    return Pending(then=finish)
+    return Pending(then=finish, timer=pending._timer, kind=pending.kind)
 
 
 def _copy_unless_same(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -147,11 +168,13 @@ class Collectives:
         if _parent is None:
             self.nodes = NodeLayout(dist.get_world_size() if initialized else 1, ranks_per_node)
             self.counter = CommCounter()
+            self.breakdown = StepBreakdown()  # see [Note: the step breakdown]; enabled by the engine
             self._subgroups: dict[tuple, "Collectives"] = {}
             self.guards: list[weakref.ref] = []  # the order guards over these groups: see explain, _named
             self._scope: list[Collectives] = [self]  # this object and its subgroups
         else:  # a subgroup counts into its parent's counter, on the same nodes
             self.nodes, self.counter, self._subgroups = _parent.nodes, _parent.counter, _parent._subgroups
+            self.breakdown = _parent.breakdown
             self.guards, self._scope = _parent.guards, _parent._scope
             self._scope.append(self)
         self.global_ranks = [self.global_rank(r) for r in range(self.world_size)]
@@ -175,7 +198,7 @@ class Collectives:
                 if waited >= next_read[0]:  # then ever more seldom: a long legitimate wait (a rank writing
                     next_read[0] = waited + max(1.0, waited / 4)  # a checkpoint) must not flood the store
                     self._compare_posted(seq, what)
-        return Pending(work, then, self.watchdog, what, waiting)
+        return Pending(work, then, self.watchdog, what, waiting, self.breakdown, kind.replace("-", "_"))
 
     def _compare_posted(self, seq: int, what: Describe) -> None:
         """This rank has waited long for its ``seq``-th collective here: compare with the others' posts
@@ -207,18 +230,32 @@ class Collectives:
 
     # ---- accounting: see [Note: bytes sent] in engine/comm/volume.py ---------------------------------
 
-    def comm_stats(self) -> dict[str, int]:
+    def comm_stats(self, times: bool = False) -> dict[str, float]:
         """Bytes this rank sent in the last step (closed by ``end_step``), by collective kind and by
-        link: all_gather, reduce_scatter, all_reduce, broadcast, total, intra_node, inter_node."""
-        return self.counter.last()
+        link: all_gather, reduce_scatter, all_reduce, broadcast, all_to_all, total, intra_node, inter_node.
+        ``times``: also the seconds the rank waited for them, not hidden by computation (``<kind>_s``
+        and ``total_s``; see [Note: the step breakdown]; zeros with ``step_breakdown=False``)."""
+        stats: dict[str, float] = dict(self.counter.last())
+        if times:
+            self.breakdown.flush()
+            last = self.breakdown.last()
+            waited = last.waited if last is not None else {}
+            for kind in KINDS:
+                stats[f"{kind}_s"] = waited.get(kind, 0.0)
+            stats["total_s"] = sum(waited.values())
+        return stats
 
     def begin_step(self) -> None:
-        """Forget what was counted since the last ``end_step`` (set-up, an evaluation loop)."""
+        """Forget what was counted since the last ``end_step`` (set-up, an evaluation loop): its bytes,
+        and its time (the next step's starts now)."""
         self.counter.begin_step()
+        self.breakdown.reset()
 
     def end_step(self) -> None:
-        """A training step (its optimizer step) ended: its bytes become ``comm_stats()``."""
+        """A training step (its optimizer step) ended: its bytes become ``comm_stats()``, its time a
+        record of the step breakdown."""
         self.counter.end_step()
+        self.breakdown.end_step()
 
     # ---- subgroups ---------------------------------------------------------------------------
 
@@ -335,7 +372,7 @@ class Collectives:
                                       group=self.group, async_op=True)
             checked = self._pending(work, lambda: header.received(received), what, "all-gather", header)
             gathered = self._gather_by_broadcasts(output, input, what, header)
-            return Pending(then=lambda: wait_all([checked, gathered]))
+            return Pending(then=lambda: wait_all([checked, gathered]), timer=self.breakdown, kind="all_gather")
         if self.backend == "gloo":
             chunk = input.numel()
             send = header.send_as(input.dtype, input.device)
@@ -380,7 +417,7 @@ class Collectives:
         _copy_unless_same(chunks[self.rank], input.view(-1))
         parts = [self._pending(dist.broadcast(chunk, src=self.global_rank(r), group=self.group, async_op=True),
                                None, what, "broadcast", header) for r, chunk in enumerate(chunks)]
-        return Pending(then=lambda: wait_all(parts))
+        return Pending(then=lambda: wait_all(parts), timer=self.breakdown, kind="all_gather")
 
     def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, spec: QuantSpec,
                                  what: Describe = _unnamed, noise: Optional[torch.Generator] = None) -> Pending:
@@ -437,12 +474,12 @@ class Collectives:
             self._pending(work, None, what, "broadcast").wait()
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                   what: Describe = _unnamed) -> None:
-        """In-place, synchronous all-reduce of a small tensor."""
+                   what: Describe = _unnamed, part: str = COMM_OTHER) -> None:
+        """In-place, synchronous all-reduce of a small tensor; its wait counts as ``part`` of the step."""
         if self.world_size > 1:
             self._count("all_reduce", "all_reduce", tensor.numel() * tensor.element_size())
             self._pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), None, what,
-                          "all-reduce").wait()
+                          "all-reduce").wait(part)
 
     def barrier(self, what: Describe = _unnamed) -> None:
         """Synchronous barrier of the group; uncounted (it carries no data)."""
@@ -490,8 +527,9 @@ class _Works:
         return True
 
 
-def wait_all(pending: list[Pending]) -> None:
-    """Wait for every collective in ``pending``, in order, and empty the list."""
+def wait_all(pending: list[Pending], part: str = COMM_OTHER) -> None:
+    """Wait for every collective in ``pending``, in order, and empty the list; the waits count as
+    ``part`` of the step (see ``Pending.wait``)."""
     for p in pending:
-        p.wait()
+        p.wait(part)
     pending.clear()

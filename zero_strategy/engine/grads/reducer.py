@@ -54,6 +54,8 @@ from ..buffers.pool import BufferPool
 from ..comm.collectives import Collectives, Pending, after
 from ..comm.topology import HybridGroups
 from ..diagnose import tally as step_tally
+from ..diagnose.breakdown import BACKWARD, OFFLOAD, REDUCE
+from ..diagnose.ranges import span
 from .accumulation import LocalAccumulation
 from .replica_sum import DeferredReplicaSum
 
@@ -94,6 +96,7 @@ def _on_grad_of(reducer: "weakref.ref[GradientReducer]", gi: int, i: int, param:
             target.backwards += 1
             target._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(target._backward_ended)
+            target.comm.breakdown.enter(BACKWARD)  # unless the forward's outputs began it (diagnose/breakdown.py)
         target._on_grad(gi, i, param)
 
 
@@ -183,6 +186,10 @@ class GradientReducer:
                     self._pool.give(buffer)
         return after(pending, back)
 
+    def _segment_name(self, gi: int, si: int) -> str:
+        """A segment, for a profiler range (see [Note: profiler ranges] in engine/diagnose/ranges.py)."""
+        return f"segment {si} of group {gi}" if len(self.groups) > 1 else f"segment {si}"
+
     def _describe(self, gi: int, si: int) -> str:
         seg = self.groups[gi].segments[si]
         return f"reduce-scatter of gradient segment {si} of flat group {gi} ({len(seg.params)} parameters, " \
@@ -257,6 +264,10 @@ class FullGradientReducer(GradientReducer):
             for p, view in zip(group.params, views):
                 p.grad = view
 
+    def _backward_ended(self) -> None:
+        super()._backward_ended()
+        self.comm.breakdown.leave(BACKWARD)  # nothing to reduce until the step
+
     def _on_grad(self, gi: int, i: int, param: torch.nn.Parameter) -> None:
         self.received[gi][i] = True
         view = self._grad_views[gi][i]
@@ -275,19 +286,22 @@ class FullGradientReducer(GradientReducer):
             full = group.segment_of(self.grad_buffers[gi], seg)
             if self.average_over > 1:
                 full.div_(self.average_over)
-            inflight.append((gi, si, self._reduce_scatter(gi, group.own_shard_of(self.grad_buffers[gi], seg), full,
-                                                          functools.partial(self._describe, gi, si))))
+            with span(lambda: f"zero/reduce-scatter {self._segment_name(gi, si)}"):
+                inflight.append((gi, si, self._reduce_scatter(gi, group.own_shard_of(self.grad_buffers[gi], seg),
+                                                              full, functools.partial(self._describe, gi, si))))
             while inflight and (len(inflight) > MAX_INFLIGHT or n == len(self.order) - 1):
                 self._finish_segment(*inflight.popleft())
         self._pool.end_pass()
         self._reduced = True
 
     def _finish_segment(self, gi: int, si: int, pending: Pending) -> None:
-        pending.wait()
+        with span(lambda: f"zero/wait reduce-scatter {self._segment_name(gi, si)}"):
+            pending.wait(REDUCE)
         host, group = self.host_grads[gi], self.groups[gi]
-        if host is not None:  # see [Note: gradients to the host]
+        if host is not None:  # see [Note: gradients to the host]: the step's offload time
             seg = group.segments[si]
-            group.segment_shard(host, seg).copy_(group.own_shard_of(self.grad_buffers[gi], seg), non_blocking=True)
+            with span(lambda: "zero/offload gradients to host"), self.comm.breakdown.waiting(OFFLOAD, "copy"):
+                group.segment_shard(host, seg).copy_(group.own_shard_of(self.grad_buffers[gi], seg), non_blocking=True)
 
     def piece_grad(self, gi: int, piece: Piece) -> torch.Tensor:
         host = self.host_grads[gi]
@@ -388,16 +402,19 @@ class ShardedGradientReducer(GradientReducer):
             self._staged[key].add(i)
 
     def _on_backward_end(self) -> None:
-        if self.local is not None and self.local.deferring:  # nothing to reduce: see [Note: local accumulation]
-            self.local.deferring = False
-            self._pool.end_pass()
-            self._reset_backward_state()
+        try:
+            if self.local is not None and self.local.deferring:  # nothing to reduce: see [Note: local accumulation]
+                self.local.deferring = False
+                self._pool.end_pass()
+                self._reset_backward_state()
+                if self.listener is not None:
+                    self.listener.backward_finished()
+                return
+            self._launch_all()
             if self.listener is not None:
                 self.listener.backward_finished()
-            return
-        self._launch_all()
-        if self.listener is not None:
-            self.listener.backward_finished()
+        finally:
+            self.comm.breakdown.leave(BACKWARD)  # its last reductions waited for: see [Note: the step breakdown]
 
     def _launch_all(self) -> None:
         """Launch every segment not launched yet, then the late ones, and wait for them all."""
@@ -425,7 +442,8 @@ class ShardedGradientReducer(GradientReducer):
                     wait_for_copies(group.device)
                 shard = target.to(group.device)  # target itself where the shard is on the device
                 self.replicas.all_reduce(shard, what=lambda: f"all-reduce across the shard groups of the "
-                                                             f"{self._describe(gi, si)}, deferred to the step")
+                                                             f"{self._describe(gi, si)}, deferred to the step",
+                                         part=REDUCE)
                 if shard is not target:
                     target.copy_(shard)
                 if self.host_listener is not None:  # what it stepped from this segment is superseded
@@ -483,7 +501,8 @@ class ShardedGradientReducer(GradientReducer):
         else:
             output = torch.empty_like(target) if add else target
         what = functools.partial(self._describe, gi, si)
-        pending = self._reduce_scatter(gi, output, staging, what, fold, sum_replicas)
+        with span(lambda: f"zero/reduce-scatter {self._segment_name(gi, si)}"):  # see [Note: profiler ranges]
+            pending = self._reduce_scatter(gi, output, staging, what, fold, sum_replicas)
         self._inflight.append((key, pending, buffer, output, target, add))
         self._finish(len(self._inflight) - MAX_INFLIGHT)
 
@@ -491,13 +510,15 @@ class ShardedGradientReducer(GradientReducer):
         """Complete the ``count`` oldest reductions in flight and recycle their staging buffers."""
         for _ in range(max(0, count)):
             (gi, si), pending, buffer, output, target, add = self._inflight.popleft()
-            pending.wait()
+            with span(lambda: f"zero/wait reduce-scatter {self._segment_name(gi, si)}"):
+                pending.wait(REDUCE)
             if add:  # accumulating over micro-batches, or a late gradient
                 if target.device != output.device:
                     wait_for_copies(output.device)  # an earlier non-blocking copy into target may be in flight
                 target.add_(output.to(target.device, target.dtype))
-            elif output is not target:  # a device result for a host shard
-                target.copy_(output, non_blocking=True)
+            elif output is not target:  # a device result for a host shard: the step's offload time
+                with span(lambda: "zero/offload gradients to host"), self.comm.breakdown.waiting(OFFLOAD, "copy"):
+                    target.copy_(output, non_blocking=True)
             if self.host_listener is not None:
                 self.host_listener.segment_ready(gi, si, self.received[gi])
             self._pool.give(buffer)

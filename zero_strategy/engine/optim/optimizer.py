@@ -25,6 +25,8 @@ import torch
 from ...config import ZeroConfig
 from ..buffers.host import HOST
 from ..comm.collectives import Collectives, wait_all
+from ..diagnose.breakdown import OPTIMIZER, STEP_GATHER
+from ..diagnose.ranges import span
 from ..grads.accumulation import LocalAccumulation
 from ..grads.reducer import make_reducer
 from ..grads.scaler import LossScaler
@@ -157,6 +159,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         if self._step.ready:
             return
+        self.comm.breakdown.enter(OPTIMIZER)  # the step's phase: see [Note: the step breakdown]
         self.reducer.reduce()
         self.steps_begun += 1
         received = self.reducer.received_anywhere(self.steps_begun, self.sharder.guard)
@@ -189,18 +192,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with span(lambda: "zero/step"):  # see [Note: profiler ranges] in engine/diagnose/ranges.py
+            self._step_now()
+        return loss
+
+    def _step_now(self) -> None:
+        self.comm.breakdown.enter(OPTIMIZER)
         self.reduce_gradients()
         if self._step.overflow:  # parameters and optimizer state stay as they are
             self.step_backend.discard()
             self.scaler.update(overflow=True)
             self.comm.end_step()
-            return loss
+            return
         for tensors in self._stepped.tensors:
             for t in tensors:
                 t.grad = None
         for inner_group, settings in zip(self.inner.param_groups, self._coming_settings()):
             inner_group.update(settings)
-        self.step_backend.update(self._step)  # see [Note: step backends]
+        with span(lambda: "zero/update"):
+            self.step_backend.update(self._step)  # see [Note: step backends]
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         self._all_gather_params()
@@ -208,16 +218,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.comm.end_step()  # the step's bytes become comm_stats()
         self.optim._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check this flag,
         self._opt_called = True  # on whichever optimizer they were pointed at
-        return loss
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # what LR schedulers look for on step
 
     def _all_gather_params(self) -> None:
-        wait_all([
-            self.comm.all_gather(g.segment_of(g.buffer, seg), g.own_shard_of(g.buffer, seg),
-                                 lambda: "all-gather of the updated parameters after the step")
-            for g in self.groups if g.resident for seg in g.segments
-        ])
+        with span(lambda: "zero/all-gather updated parameters"):
+            wait_all([
+                self.comm.all_gather(g.segment_of(g.buffer, seg), g.own_shard_of(g.buffer, seg),
+                                     lambda: "all-gather of the updated parameters after the step")
+                for g in self.groups if g.resident for seg in g.segments
+            ], STEP_GATHER)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.step_backend.discard()
@@ -268,11 +278,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.step_backend.discard()
         self.step_backend.load_full_state_dict(self, state_dict)
 
-    def comm_stats(self) -> dict[str, int]:
+    def comm_stats(self, times: bool = False) -> dict[str, float]:
         """Bytes this rank sent since the step before the last one ended, through the last one's end
         (its forward, backward and step), by collective kind and by link (see [Note: bytes sent] in
-        engine/comm/volume.py). With several optimizers, each step closes the count."""
-        return self.comm.comm_stats()
+        engine/comm/volume.py). With several optimizers, each step closes the count. ``times``: also the
+        seconds waited for them (see ``Collectives.comm_stats``)."""
+        return self.comm.comm_stats(times)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this engine keeps alive, by kind (the inner optimizer's state aside), under

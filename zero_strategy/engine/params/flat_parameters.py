@@ -220,6 +220,7 @@ class FlatParameters:
         self.unit_of = {p: u for u in self.all_units for g in u.groups for p in g.params}
         self.full_numel = {p: n for g in self.groups for p, n in zip(g.params, g.layout.numels)}
         guard_device = self._device or (self.groups[0].device if self.groups else torch.device("cpu"))
+        comm.breakdown.enable(config.step_breakdown, guard_device)  # see [Note: the step breakdown]
         self.guard = OrderGuard(comm, [u.name for u in self.all_units], guard_device, config.unit_order_wait)
         self.guard.enabled &= config.check_unit_order and config.stage == 3
         self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
@@ -252,6 +253,10 @@ class FlatParameters:
             self._checked = list(dict.fromkeys(m for p in self.unit_of for m in self._owners.get(p, ())))
             for mod in self._checked:
                 attach_check(mod, self, self._check_whole)
+        if self.module is not None and config.step_breakdown:  # its forward: the step's forward phase (see
+            # [Note: the step breakdown] in engine/diagnose/breakdown.py)
+            for handle in comm.breakdown.watch(self.module):
+                self._hook(self.module, handle)
         for g in self.groups:
             for p in g.params:
                 # read by owner_of(), at every stage (nothing on the parameter: it pickles as it is); a weak
@@ -263,10 +268,11 @@ class FlatParameters:
                 self._hook(module, handle)
         comm.begin_step()  # the first step's bytes start here: set-up broadcasts are not a step's
 
-    def comm_stats(self) -> dict[str, int]:
+    def comm_stats(self, times: bool = False) -> dict[str, float]:
         """Bytes this rank sent in its last training step (see [Note: bytes sent] in engine/comm/volume.py):
-        all_gather, reduce_scatter, all_reduce, broadcast, total, intra_node, inter_node."""
-        return self.comm.comm_stats()
+        all_gather, reduce_scatter, all_reduce, broadcast, total, intra_node, inter_node; ``times``: and the
+        seconds waited for them (see ``Collectives.comm_stats``)."""
+        return self.comm.comm_stats(times)
 
     def groups_of(self, optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
         """The trainable flat groups holding ``optimizer``'s parameters (which it steps and reduces)."""
@@ -566,6 +572,8 @@ class FlatParameters:
         for module, handle in self._handles:
             detach_hook(module, handle)
         self._handles.clear()
+        if self.module is not None:
+            self.comm.breakdown.unwatch(self.module)
         for module in self._checked:
             detach_check(module, self)
         self._checked = []

@@ -33,7 +33,9 @@ from ..buffers.flat import FlatGroup, ShardedGroup
 from ..comm.collectives import Collectives, Pending, wait_all
 from ..comm.order_guard import BACKWARD, RECOMPUTE
 from ..comm.quantize import QuantSpec
+from ..diagnose.breakdown import GATHER
 from ..diagnose.header import Header
+from ..diagnose.ranges import span
 
 
 def in_backward() -> bool:
@@ -183,17 +185,19 @@ class Unit:
         secondary partition] in engine/buffers/flat.py; ``header``: see [Note: the collective header]."""
         if not self.needs_gather:
             return
-        wait_all(self._pending)  # a stale unit's earlier gather: it writes the buffer until it completes
-        for g in self._sharded():
-            self._pending += g.gather(comm, what, quantize, keep_secondary, header)
+        wait_all(self._pending, GATHER)  # a stale unit's earlier gather: it writes the buffer until it completes
+        with span(lambda: f"zero/gather {self.name}"):  # see [Note: profiler ranges]
+            for g in self._sharded():
+                self._pending += g.gather(comm, what, quantize, keep_secondary, header)
         self.state = UnitState.GATHERING
 
     def gather_secondary(self, comm: Collectives, what: Callable[[], str], header: Optional[Header] = None) -> None:
         """Like ``gather``, from the secondary parts kept by the forward gather, over their group."""
         if self.state is not UnitState.RELEASED:
             return
-        for g in self._sharded():
-            self._pending += g.gather_secondary(comm, what, header)
+        with span(lambda: f"zero/gather {self.name} from its secondary partition"):
+            for g in self._sharded():
+                self._pending += g.gather_secondary(comm, what, header)
         self.state = UnitState.GATHERING
 
     @property
@@ -211,14 +215,15 @@ class Unit:
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:
-            wait_all(self._pending)
+            with span(lambda: f"zero/wait gather {self.name}"):
+                wait_all(self._pending, GATHER)  # the step's gathers (engine/diagnose/breakdown.py)
             self.state = UnitState.GATHERED
 
     def release(self) -> bool:
         """Free the full buffers unless a forward is using the unit or something holds it; True if freed."""
         if self.state is UnitState.RELEASED or self.users or self.holds:
             return False
-        wait_all(self._pending)  # a prefetch nobody used: its buffers are written until it completes
+        wait_all(self._pending, GATHER)  # a prefetch nobody used: its buffers are written until it completes
         for g in self.groups:
             g.release()
         self.state = UnitState.RELEASED

@@ -13,6 +13,7 @@ unsharded state dict is the same as without offload.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Collection, Sequence
 
@@ -20,6 +21,8 @@ import torch
 
 from ....config import ZeroConfig
 from ...buffers.host import wait_for_copies
+from ...diagnose import breakdown
+from ...diagnose.ranges import span
 from ..tiles import PieceKey, TilePart, hooked_step, plan_tiles, unhooked_step
 from .backend import StepBackend, Stepped
 from .grads import StepGradients
@@ -131,11 +134,15 @@ class HostTilesStep(StepBackend):
         raise NotImplementedError
 
     def written(self, parts: Sequence[TilePart]) -> None:
-        """Start the copies of a stepped tile's masters to the device."""
-        for part in parts:
-            g = self.stepped.groups[part.group]
-            piece = g.pieces[part.piece]
-            g.write_back_piece(piece, part.start - piece.shard_offset, part.end - piece.shard_offset)
+        """Start the copies of a stepped tile's masters to the device (the step's offload time: see
+        [Note: the step breakdown] in engine/diagnose/breakdown.py)."""
+        timer = breakdown.active()
+        with span(lambda: "zero/offload masters to device"), \
+                timer.waiting(breakdown.OFFLOAD, "copy") if timer is not None else contextlib.nullcontext():
+            for part in parts:
+                g = self.stepped.groups[part.group]
+                piece = g.pieces[part.piece]
+                g.write_back_piece(piece, part.start - piece.shard_offset, part.end - piece.shard_offset)
 
     def keep_state_on_host(self) -> None:
         keep_state_on_host(self.stepped.state, self.stepped.tensors)

@@ -1,0 +1,128 @@
+"""A model's FLOPs per training step, counted once, and the peak a device can reach.
+
+[Note: counting FLOPs]
+The FLOPs of one training step are counted by torch's own counter (``torch.utils.flop_counter.
+FlopCounterMode``) over the engine's first training step: from its first forward with grad enabled
+to the end of its optimizer step, every micro-batch's forward and backward (the FLOPs a forward runs
+are kept apart, for DeepSpeed's profile). It counts what runs (matrix products, convolutions,
+attention) from the shapes, for any model, where the rule of 6 x parameters x tokens holds only for
+a transformer's dense layers: it leaves out attention's own products, which grow with the sequence
+length, and counts the embedding lookups, which multiply nothing. What the counter counts is what
+executes: a forward recomputed by activation checkpointing counts again, and a layer whose input
+needs no gradient computes none (its weight's gradient only). The count is this rank's, for its
+micro-batches; it is taken once, assuming every step runs the same shapes. Counting slows that one
+step (each operation passes through Python), which is left out of the breakdown's sums anyway. A
+model that runs compiled (``torch.compile``) is not counted: code that torch.compile meets while the
+counter's dispatch mode is active stays uncompiled for good.
+
+MFU is the counted FLOPs per second over the device's peak: ``peak_flops`` when given, else the
+dense tensor-core peak of the working dtype for the GPUs of ``PEAK_TFLOPS`` (TF32 for fp32 when
+torch's float32 matmul precision allows it, plain fp32 otherwise), else none (a CPU, an unknown GPU).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Optional
+
+import torch
+from torch import nn
+
+PEAK_TFLOPS: tuple[tuple[str, Optional[tuple[float, bool, Optional[float], float]]], ...] = (
+    # (device name pattern, (16-bit tensor cores, whether they take bf16 (else fp16 only), TF32, fp32)),
+    # TFLOP/s, dense (no structured sparsity), from NVIDIA's data sheets. The first match wins.
+    (r"H100.*NVL|H200.*NVL", None),  # the figures depend on the configuration: give peak_flops
+    (r"H100.*PCIe", (756.0, True, 378.0, 51.2)),
+    (r"H100|H200", (989.4, True, 494.7, 66.9)),  # SXM
+    (r"A100", (312.0, True, 156.0, 19.5)),
+    (r"L40S", (362.1, True, 183.0, 91.6)),
+    (r"\bL4\b", (121.0, True, 60.0, 30.3)),
+    (r"\bA10\b", (125.0, True, 62.5, 31.2)),
+    (r"V100.*PCIE", (112.0, False, None, 14.0)),
+    (r"V100", (125.0, False, None, 15.7)),  # SXM2
+    (r"\bT4\b", (65.0, False, None, 8.1)),
+)
+"""Peak TFLOP/s of common GPUs, by the dtype of the matrix products."""
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
+    """The dense peak FLOP/s of ``device`` computing in ``dtype`` (see [Note: counting FLOPs]), or None
+    where ``PEAK_TFLOPS`` does not know it (every CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    figures = next((row for pattern, row in PEAK_TFLOPS if re.search(pattern, name)), None)
+    if figures is None:
+        return None
+    half, takes_bf16, tf32, fp32 = figures
+    if dtype == torch.float16 or (dtype == torch.bfloat16 and takes_bf16):
+        return half * 1e12
+    if dtype == torch.float32:
+        tf32_allowed = tf32 is not None and torch.get_float32_matmul_precision() != "highest"
+        return (tf32 if tf32_allowed else fp32) * 1e12  # type: ignore[operator]
+    return None
+
+
+def is_compiled(module: Optional[nn.Module]) -> bool:
+    """Whether ``module`` runs compiled, or one of its submodules does (``torch.compile(net)``,
+    ``net.compile()``), or it is called from compiled code (``torch.compile(model)``, a compiled
+    function): the caller's frames are read, once."""
+    from torch._dynamo.eval_frame import OptimizeContext, OptimizedModule
+
+    if module is not None and any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None)
+                                  is not None for m in module.modules()):
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:  # torch.compile's wrappers hold their context or module as ``self``
+        if isinstance(frame.f_locals.get("self"), (OptimizeContext, OptimizedModule)):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class FlopCount:
+    """The FLOPs of one training step (see [Note: counting FLOPs]): counted from the first training
+    forward to the end of that step; ``per_step`` and ``forward_per_step`` once done."""
+
+    def __init__(self) -> None:
+        self.per_step: Optional[int] = None
+        self.forward_per_step: Optional[int] = None
+        self.skipped: Optional[str] = None  # why nothing was counted
+        self._mode = None
+        self._forward = 0
+        self._mark = 0
+
+    @property
+    def counting(self) -> bool:
+        return self._mode is not None
+
+    def forward_began(self, module: Optional[nn.Module]) -> None:
+        if self.per_step is not None or self.skipped is not None:
+            return
+        if self._mode is None:
+            if is_compiled(module):
+                self.skipped = "the model runs compiled (torch.compile), which the counter would keep from compiling"
+                return
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._mode = FlopCounterMode(display=False)
+            self._mode.__enter__()
+        self._mark = self._mode.get_total_flops()
+
+    def forward_ended(self) -> None:
+        if self._mode is not None:
+            self._forward += self._mode.get_total_flops() - self._mark
+
+    def step_ended(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+            self.per_step, self.forward_per_step = int(mode.get_total_flops()), int(self._forward)
+
+    def abort(self) -> None:
+        """The step being counted will not end as a step (an evaluation loop reset it): count the next."""
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+        self._forward = 0
