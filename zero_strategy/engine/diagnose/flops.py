@@ -22,6 +22,7 @@ torch's float32 matmul precision allows it, plain fp32 otherwise), else none (a 
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from typing import Optional
@@ -64,6 +65,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
     return None
 
 
+_WRAPPERS = os.path.join("_dynamo", "eval_frame.py")
+
+
 def is_compiled(module: Optional[nn.Module]) -> bool:
     """Whether ``module`` runs compiled, or one of its submodules does (``torch.compile(net)``,
     ``net.compile()``), or it is called from compiled code (``torch.compile(model)``, a compiled
@@ -74,8 +78,11 @@ def is_compiled(module: Optional[nn.Module]) -> bool:
                                   is not None for m in module.modules()):
         return True
     frame = sys._getframe(1)
-    while frame is not None:  # torch.compile's wrappers hold their context or module as ``self``
-        if isinstance(frame.f_locals.get("self"), (OptimizeContext, OptimizedModule)):
+    while frame is not None:  # torch.compile's wrappers (in dynamo's eval_frame.py) hold their context as ``self``;
+        # only their locals are read: reading a frame's f_locals keeps a copy of its variables as long as it
+        # runs (Python 3.11-3.12), so a caller's dropped model would stay alive
+        if (frame.f_code.co_filename.endswith(_WRAPPERS)
+                and isinstance(frame.f_locals.get("self"), (OptimizeContext, OptimizedModule))):
             return True
         frame = frame.f_back
     return False
