@@ -204,7 +204,8 @@ class FlatParameters:
                 raise ValueError("ZeRO stage 3 gathers parameters around their modules' forward: give shard_module "
                                  "the module, not a list of parameters.")
             self.plan: UnitPlan = plan_units(self.module, config.shard_modules, config.param_persistence_threshold,
-                                             config.bucket_numel(params[0].element_size()), config.unit_params)
+                                             config.bucket_numel(params[0].element_size()), config.unit_params,
+                                             leaf_modules=config.leaf_modules)
             self._agree_on_plan()
         else:  # stages 1-2: the trainable parameters, whole on every rank
             self.plan = UnitPlan((), (), tuple(p for p in params if p.requires_grad), None)
