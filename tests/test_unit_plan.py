@@ -223,7 +223,7 @@ def test_a_list_of_blocks_beside_a_head_of_as_many_classes_is_not_taken_for_expe
     model = nn.Sequential(Classifier())
     assert routed_experts(model[0]) is not None
     plan = plan_units(model, persist_numel=1000, unit_params=40_000)
-    assert plan.leaves == () and [u.name for u in plan.units] == [f"0.blocks.{i}" for i in range(4)]  # the head is resident
+    assert plan.leaves == () and [u.name for u in plan.units] == [f"0.blocks.{i}" for i in range(4)]  # head: resident
 
 
 def test_leaf_modules_and_the_deepspeed_flag_keep_a_module_whole():
