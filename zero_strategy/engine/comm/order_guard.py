@@ -257,10 +257,11 @@ class OrderGuard:
             "classes, its parameters stay in the root unit, gathered for the whole step.", self.comm.scope)
 
     def _advice(self, tags: dict[int, Optional[tuple[int, ...]]]) -> str:
-        """The sharder's words on which module to name (``advise``), from the units the tags name."""
+        """The sharder's words on which module to name (``advise``): the one holding the units the tags name."""
         if self.advise is None:
             return ""
-        units = [decode(torch.tensor([t], dtype=torch.int32))[0][2] for t in tags.values() if t is not None]
+        rows = [decode(torch.tensor([t], dtype=torch.int32))[0] for t in tags.values() if t is not None]
+        units = [u for row in rows for u in (row[2], row[4]) if u >= 0]  # what each gathered, and came from
         try:
             return self.advise(units)
         except Exception:  # noqa: BLE001 - advice must never hide the error itself
