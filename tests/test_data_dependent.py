@@ -134,8 +134,55 @@ def _resume(rank: int, world_size: int, case: str, folder: str) -> dict:
     return {"params": _whole(model), "learned": list(sharder.learner.learned)}
 
 
+class _Pairs(torch.nn.Module):
+    """Eight small experts, of which each token takes the first or the second by its sign: with units of
+    two experts, every rank gathers the same unit, but enters it once or twice (see _entries_differ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(8))
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        for e in range(2):
+            rows = ((x[:, 0] > 0).long() == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, self.experts[e](x[rows]))
+        return x + out
+
+
+def _entries_differ(rank: int) -> dict:
+    """Where the ranks' gathers agree and the units they enter do not, the leaf is learned at the pass's
+    end (``LeafLearner._learn_from_entries``); a small model, units of two experts (unit_params=150)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Pairs(), _Pairs())
+    reference = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    config = ZeroConfig(stage=3, param_persistence_threshold=0, unit_params=150)
+    user = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    sharder = shard_module(model, config)
+    opt = ZeroOptimizer(user, config, sharder=sharder)
+    planned = [u.name for u in sharder.units]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+        for m, o, out in ((reference, ref_opt, ref_losses), (model, opt, losses)):
+            o.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            o.step()
+            out.append(loss.item())
+    return {"mismatch": _mismatch(losses, ref_losses, _whole(model), reference.module), "planned": planned,
+            "units": [u.name for u in sharder.units], "learned": list(sharder.learner.learned),
+            "announced_only": sharder.learner.checking is False}
+
+
 def _runs(rank: int, world_size: int, cases: tuple[str, ...], folder: str) -> dict:
-    return {case: _run(rank, world_size, case, folder) for case in cases}
+    out = {case: _run(rank, world_size, case, folder) for case in cases}
+    if world_size == 2:
+        out["entries"] = _entries_differ(rank)
+    return out
 
 
 def _resumes(rank: int, world_size: int, folder: str) -> dict:
@@ -198,3 +245,44 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2_as_the_uninterrupted_run(runs, cas
             torch.testing.assert_close(resumed[case]["params"][name], value, **TOLERANCE,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
         assert len(resumed[case]["learned"]) == 1 and resumed[case]["learned"][0] in LEARNED[case][0]
+
+
+def test_the_leaf_is_the_innermost_module_every_rank_is_in_or_past_in_the_same_call():
+    """``LeafLearner._choose`` on what ranks report (their phase, the modules their forward is inside and
+    each module's calls in the pass), without processes: see [Note: learned leaves]."""
+    from zero_strategy.engine.comm.order_guard import BACKWARD, FORWARD, PREFETCH_FORWARD
+    from zero_strategy.engine.params.leaves import LeafLearner
+
+    from .routed import MoENet
+
+    model = MoENet(top_k=1, gate="hash")
+    number = {m: i for i, m in enumerate(model.modules())}
+    root, block, moe = 0, number[model.blocks[1]], number[model.blocks[1].moe]
+    learner = LeafLearner.__new__(LeafLearner)
+    learner.modules = list(model.modules())
+    holders = {model, model.blocks[0], model.blocks[1], model.blocks[0].moe, model.blocks[1].moe}
+    learner.sharder = type("Sharder", (), {"units_inside": staticmethod(lambda m: m in holders)})()
+    calls = {root: 1, number[model.blocks[0]]: 1, number[model.blocks[0].moe]: 1, block: 1, moe: 1}
+
+    def choose(*ranks):
+        return learner._choose(list(ranks))
+
+    # both inside the same call of the layer, asking for different experts: the layer
+    assert choose((FORWARD, [root, block, moe], calls), (FORWARD, [root, block, moe], calls)) is model.blocks[1].moe
+    # one rank called fewer experts and went on to backward: it is past the layer's call
+    assert choose((PREFETCH_FORWARD, [root, block, moe], calls), (BACKWARD, [], calls)) is model.blocks[1].moe
+    # the layer's calls differ (a block applied a per-rank number of times): the module around it
+    assert choose((FORWARD, [root, block, moe], {**calls, moe: 2}), (BACKWARD, [], calls)) is model.blocks[1]
+    # the model's forward entered a different number of times (an extra forward on one rank): no leaf
+    assert choose((FORWARD, [root], {root: 2}), (FORWARD, [root], {root: 1})) is None
+    # a divergence in backward only: no forward to learn from
+    assert choose((BACKWARD, [], calls), (BACKWARD, [], calls)) is None
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_gather_alike_but_enter_units_differently_learn_the_leaf_at_the_pass_end(runs):
+    for rank, by_case in enumerate(runs[2]):
+        run = by_case["entries"]
+        assert not run["mismatch"], f"rank {rank}: " + "\n".join(run["mismatch"])
+        assert "0.experts.0..0.experts.1" in run["planned"]  # two experts a unit
+        assert run["units"] == ["0", "1"] and len(run["learned"]) == 1 and run["announced_only"], run

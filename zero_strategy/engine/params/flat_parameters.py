@@ -238,6 +238,7 @@ class FlatParameters:
             raise ValueError(f"buffers {meta[:5]} are still on the meta device after sharding: build modules that "
                              "hold buffers but no parameters in __init__, not in configure_model.")
         self._groups = [g for u in self.all_units for g in u.groups] + self.resident  # the order stays: see learn_leaf
+        self._every_unit = list(self.all_units)  # the units merged into learned leaves too
         self._unit_of_group = {id(g): u for u in self.all_units for g in u.groups}
         self.unit_of = {p: u for u in self.all_units for g in u.groups for p in g.params}
         self.full_numel = {p: n for g in self.groups for p, n in zip(g.params, g.layout.numels)}
@@ -416,9 +417,17 @@ class FlatParameters:
         within = {id(m) for m in module.modules()}
         return [u for u in self.units if all(id(m) in within for m in u.modules) and u.modules != (module,)]
 
-    def learn_leaf(self, leaf: nn.Module, why: str) -> Unit:
+    def unit_by_index(self, index: int) -> Optional[Unit]:
+        """The unit of that index now (a unit merged into a leaf since: the leaf's), None for none."""
+        unit = next((u for u in self._every_unit if u.index == index), None)
+        while unit is not None and unit.replaced_by is not None:
+            unit = unit.replaced_by
+        return unit
+
+    def learn_leaf(self, leaf: nn.Module, why: str, hold: bool = True) -> Unit:
         """Make ``leaf`` and its class-mates leaves, each one merged unit over the flat groups of the
-        units inside it; returns ``leaf``'s, to be gathered now (see [Note: learned leaves])."""
+        units inside it; returns ``leaf``'s, gathered next (see [Note: learned leaves]). ``hold``: each
+        is held from its first gather to the pass's end (a leaf learned inside a pass)."""
         names = {m: n for n, m in self.module.named_modules()}
         mates = [leaf] if leaf is self.module else [
             m for m in self.module.modules() if type(m) is type(leaf) and self.units_inside(m)]
@@ -430,9 +439,9 @@ class FlatParameters:
                 continue
             merged = self._merge(mate, names[mate] or "(the model)", members)
             made.append((merged, len(members)))
-            # held until the pass ends, on every rank alike: see [Note: learned leaves] in engine/params/leaves.py
-            merged.hold()
-            self._held_for_pass.append(merged)
+            if hold:  # until the pass ends, on every rank alike: see [Note: learned leaves] in engine/params/leaves.py
+                merged.hold()
+                self._held_for_pass.append(merged)
             if mate is leaf:
                 merged_of_leaf = merged
         assert merged_of_leaf is not None
@@ -456,6 +465,7 @@ class FlatParameters:
                     "ranks) to plan it as a leaf from the start.", self.comm.scope)
         merged = Unit(len(self.guard.names), name, [g for u in members for g in u.groups], (module,))
         merged.schedule = self
+        self._every_unit.append(merged)
         self.guard.names.append(name)
         gone = {id(u) for u in members}
         for u in members:
@@ -579,6 +589,8 @@ class FlatParameters:
             self._prev_of[unit] = previous
             previous.release()  # done with, unless a forward of its own is still running (nesting)
         self._last = unit
+        if self.learner is not None and self.learner.checking:
+            self.learner.entries.append(unit.index)
         gathered = self.gather(unit, FORWARD, context=previous)
         if gathered is not unit:  # a leaf was learned: see [Note: learned leaves] in engine/params/leaves.py
             self._last = gathered

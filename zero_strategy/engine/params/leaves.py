@@ -38,9 +38,17 @@ phase, with one ``all_gather_object``, and every rank takes the same decision:
   second leaf that would take in one held so is an UnitOrderError naming ``leaf_modules``;
 - no such L (a rank outside the model's forward, different entry counts, or every rank in
   backward): the UnitOrderError of [Note: order guard], naming ``leaf_modules``.
-Checking stops after ``STABLE_PASSES`` passes in a row in which every rank gathered the same units
-as in its previous pass of the same kind (training or evaluation), and learned nothing: one
-all-reduce of a flag at the end of each checking pass says so. An ordinary model pays the
+Ranks may also gather alike while they call different modules: a unit of several small experts is
+gathered on every rank that calls any of them, but entered once on one rank and twice on another;
+a later pass whose tokens choose other experts (generation, one token at a time) would then part.
+So each rank also keeps the units it entered in the pass, in order, and at the end of a checking
+pass the ranks compare them (a digest, in the all-reduce below). Where they differ (and no leaf was
+learned in the pass), every rank sends its entries and its modules' calls (``all_gather_object``),
+and each unit entered differently makes a leaf of the innermost called module around it that every
+rank called as often (with its class-mates); learned there, where nothing is gathered, nothing is
+held. Checking stops after ``STABLE_PASSES`` passes in a row in which every rank gathered and
+entered the same units as in its previous pass of the same kind (training or evaluation), and
+learned nothing: one all-reduce at the end of each checking pass says so. An ordinary model pays the
 announcements of its first three passes (one 16-byte all-gather and its wait per gather), then
 nothing. A divergence that first shows after checking stopped is the guard's UnitOrderError, or
 gloo's abort, as before: name the module in ``leaf_modules``. Learning needs the default plan
@@ -50,6 +58,8 @@ gloo's abort, as before: name the module in ``leaf_modules``. Learning needs the
 
 from __future__ import annotations
 
+import array
+import hashlib
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -59,6 +69,7 @@ from torch import nn
 
 from ..comm.order_guard import BACKWARD, FORWARD, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE
 from ..diagnose.header import WORDS, encode
+from .plan import is_called
 from .unit import in_backward
 
 if TYPE_CHECKING:
@@ -89,12 +100,15 @@ class LeafLearner:
         self._sequence: list[tuple[int, ...]] = []  # (unit and phase, context) announced this pass
         self.announced: set[int] = set()  # the units announced this pass
         self._learned_now = False
+        self.entries: list[int] = []  # the units whose forward this rank began in this pass, in order
         self._stack: list[nn.Module] = []  # the modules this rank's forward is inside
         self._calls: dict[int, int] = {}  # module number -> its forwards begun in this pass
         self._handles: list[Any] = []
         within_units = {id(m) for u in sharder.units for top in u.modules for m in top.modules()}
-        holders = [m for m in self.modules
-                   if m is self.root or (id(m) not in within_units and any(id(s) in within_units for s in m.modules()))]
+        holders = [m for m in self.modules if m is self.root or (  # called modules holding units, not in one
+            is_called(m) and id(m) not in within_units and any(id(s) in within_units for s in m.modules()))]
+        self._holders = {self.number[id(m)] for m in holders}
+        self.parent = {id(c): m for m in self.modules for c in m.children()}
         for m in holders:  # the modules a divergence can lie in
             self._handles.append(m.register_forward_pre_hook(self._entered))
             self._handles.append(m.register_forward_hook(self._left, always_call=True))
@@ -113,6 +127,7 @@ class LeafLearner:
 
     def begin_pass(self) -> None:
         self._sequence.clear()
+        self.entries.clear()
         self.announced.clear()
         self._calls.clear()
         self._stack.clear()
@@ -178,17 +193,59 @@ class LeafLearner:
     # ---- the end of a checking pass ----------------------------------------------------------------
 
     def end_pass(self, backward_ended: bool) -> None:
-        """Whether any rank's gathers changed in this pass (one all-reduce); stop checking once none did
-        for ``STABLE_PASSES`` passes."""
-        digest = hash(tuple(self._sequence))
+        """Compare what the ranks did in this pass (one all-reduce): the units they entered, in order, which
+        may differ where their gathers did not (units of several experts, some of which ran on one rank
+        only); where so, learn leaves now (``_learn_from_entries``). Stop checking once nothing changed for
+        ``STABLE_PASSES`` passes."""
+        digest = _digest(self._sequence + [(-1, -1)] + [(u, 0) for u in self.entries])
         changed = self._learned_now or self._previous.get(backward_ended) != digest
         self._previous[backward_ended] = digest
-        flag = torch.tensor([int(changed)], dtype=torch.int32, device=self.sharder.guard.device)
-        self.sharder.comm.all_reduce(flag, dist.ReduceOp.MAX,
-                                     what=lambda: "all-reduce of whether stage-3 gathers changed in a checking pass")
-        self._stable = 0 if flag.item() else self._stable + 1
+        words = torch.tensor([int(changed), int(self._learned_now), digest, -digest], dtype=torch.int64,
+                             device=self.sharder.guard.device)
+        self.sharder.comm.all_reduce(words, dist.ReduceOp.MAX,
+                                     what=lambda: "all-reduce of what the ranks did in a stage-3 checking pass")
+        changed, learned, high, low = words.tolist()
+        if high != -low and not learned:  # the ranks entered different units, or in another order (not in a
+            self._learn_from_entries()    # pass that learned a leaf: entries into it and its units differ then)
+            changed = True
+        self._stable = 0 if changed else self._stable + 1
         if self._stable >= STABLE_PASSES:
             self.stop()
+
+    def _learn_from_entries(self) -> None:
+        """The ranks' gathers agreed but the units they entered did not: each unit entered differently
+        gets as its leaf the innermost module around it that every rank called as often (see [Note:
+        learned leaves]); learned at the pass's end, where nothing is gathered, so nothing is held."""
+        everyone = self.sharder.comm.all_gather_object((list(self.entries), dict(self._calls)))
+        counts = [{u: entries.count(u) for u in set(entries)} for entries, _ in everyone]
+        units = {u for c in counts for u in c}
+        differ = {u for u in units if len({c.get(u, 0) for c in counts}) > 1}
+        if not differ:  # the same units as often, in another order: from the first place they differ
+            sequences = [entries for entries, _ in everyone]
+            at = next(i for i in range(max(map(len, sequences)))
+                      if len({tuple(s[i:i + 1]) for s in sequences}) > 1)
+            differ = {s[at] for s in sequences if at < len(s)}
+        def same_calls(module: nn.Module) -> bool:
+            n = self.number[id(module)]
+            return n in self._holders and len({calls.get(n, 0) for _, calls in everyone}) == 1
+
+        leaves = []
+        for index in sorted(differ):
+            unit = self.sharder.unit_by_index(index)
+            if unit is None or unit.index != index or not unit.modules:
+                continue  # in a leaf learned in this pass already, or the root
+            module = self.parent.get(id(unit.modules[0]))
+            while module is not None and not same_calls(module):
+                module = self.parent.get(id(module))
+            if module is not None and module not in leaves:
+                leaves.append(module)
+        leaves.sort(key=lambda m: self.number[id(m)])  # the outer first: an inner one is inside it then
+        for leaf in leaves:
+            if self.sharder.units_inside(leaf):
+                names = ", ".join(repr(self.sharder.guard.names[i]) for i in sorted(differ))
+                merged = self.sharder.learn_leaf(leaf, f"the ranks entered the units {names} in it differently in "
+                                                       f"pass {self.sharder.guard.passes}", hold=False)
+                self.learned.append(merged.name)
 
     def stop(self) -> None:
         self.checking = False
@@ -197,3 +254,9 @@ class LeafLearner:
         self._handles.clear()
         self._stack.clear()
 
+
+
+def _digest(items: list[tuple[int, ...]]) -> int:
+    """A positive int63 of ``items`` (the same on every rank for the same items: no salted hash)."""
+    raw = array.array("q", (v for item in items for v in item)).tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
