@@ -728,6 +728,8 @@ class FlatParameters:
                 "whole (checkpoints do that for the modules their state holds).")
 
     def remove_hooks(self) -> None:
+        if self.learner is not None:
+            self.learner.stop()
         for module, handle in self._handles:
             detach_hook(module, handle)
         self._handles.clear()

@@ -69,6 +69,7 @@ from torch import nn
 
 from ..comm.order_guard import BACKWARD, FORWARD, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE
 from ..diagnose.header import WORDS, encode
+from .attached import attach_hook, detach_hook
 from .plan import is_called
 from .unit import in_backward
 
@@ -77,6 +78,11 @@ if TYPE_CHECKING:
     from .unit import Unit
 
 log = logging.getLogger(__name__)
+
+def _eager(hook):
+    """Run by Python even inside ``torch.compile`` (see [Note: compiled modules] in flat_parameters.py)."""
+    return torch._dynamo.disable(hook, recursive=True)
+
 
 STABLE_PASSES = 2
 """Checking passes in a row that change nothing before checking stops (see [Note: learned leaves])."""
@@ -109,9 +115,10 @@ class LeafLearner:
             is_called(m) and id(m) not in within_units and any(id(s) in within_units for s in m.modules()))]
         self._holders = {self.number[id(m)] for m in holders}
         self.parent = {id(c): m for m in self.modules for c in m.children()}
-        for m in holders:  # the modules a divergence can lie in
-            self._handles.append(m.register_forward_pre_hook(self._entered))
-            self._handles.append(m.register_forward_hook(self._left, always_call=True))
+        for m in holders:  # the modules a divergence can lie in (hooks the engine's: engine/params/attached.py)
+            for handle in (m.register_forward_pre_hook(_eager(self._entered)),
+                           m.register_forward_hook(_eager(self._left), always_call=True)):
+                self._handles.append((m, attach_hook(m, handle)))
 
     # ---- the stack of modules this rank is inside (checking passes only) -------------------------
 
@@ -249,8 +256,8 @@ class LeafLearner:
 
     def stop(self) -> None:
         self.checking = False
-        for handle in self._handles:
-            handle.remove()
+        for module, handle in self._handles:
+            detach_hook(module, handle)
         self._handles.clear()
         self._stack.clear()
 
