@@ -6,7 +6,7 @@
 The model is written the common way: each layer an attention-sized mixing Linear and a mixture of
 experts (a router Linear and an ``nn.ModuleList`` of expert MLPs, top-2; each expert runs only on
 the tokens routed to it), so ranks call different experts. With the defaults (12 layers of 8 experts
-of 512-1024-512) it holds 101M parameters. Variants, each in a fresh pair of processes, in turn for
+of 512-1024-512) it holds 108M parameters. Variants, each in a fresh pair of processes, in turn for
 ``--rounds`` rounds (interleaved, so that a busy machine weighs on all alike):
 
 - ``ddp``: torch DistributedDataParallel with ``find_unused_parameters=True`` (what MoE needs there);
