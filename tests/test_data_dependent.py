@@ -214,7 +214,8 @@ def test_stage3_defaults_train_data_dependent_models_as_ddp(runs, world, case):
         first, units = LEARNED[case]
         assert run["plan_leaves"] == [] and len(run["planned"]) > len(units)
         for r in by_rank:
-            assert len(r["learned"]) == 1 and r["learned"][0] in first and r["units"] == units, (r["learned"], r["units"])
+            assert len(r["learned"]) == 1 and r["learned"][0] in first, r["learned"]
+            assert r["units"] == units, r["units"]
     _assert_the_data_made_the_ranks_part(case, [r["record"] for r in by_rank])
 
 

@@ -224,8 +224,8 @@ def _routed_experts(rank: int, world_size: int) -> dict:
                 losses.append(loss.item())
             opt.step()
             opt.zero_grad()
-        out[f"{name}-moe"] = {"losses": losses, "params": whole(fabric, model), "record": net.record,
-                              "units": [u.name for u in fabric.strategy._engines[-1].sharder.units] if name == "zero3" else []}
+        units = [u.name for u in fabric.strategy._engines[-1].sharder.units] if name == "zero3" else []
+        out[f"{name}-moe"] = {"losses": losses, "params": whole(fabric, model), "record": net.record, "units": units}
     return out
 
 
