@@ -142,6 +142,25 @@ def test_unsupported_names_import_and_say_what_to_use():
             use()
 
 
+def test_z3_leaf_module_names_flag_modules_as_deepspeed_does():
+    from .routed import Expert, MoELayer, MoENet
+
+    model = MoENet(top_k=1, gate="hash")
+    assert deepspeed.utils.get_z3_leaf_modules(model) == []
+    flagged = deepspeed.utils.set_z3_leaf_modules(model, ["MoELayer"])  # a class name, or the class
+    assert flagged == [b.moe for b in model.blocks] == deepspeed.utils.get_z3_leaf_modules(model)
+    assert all(deepspeed.utils.z3_leaf_module(m) for m in flagged) and not deepspeed.utils.z3_leaf_module(model)
+    assert not deepspeed.utils.z3_leaf_parameter(model.head.weight)
+    assert deepspeed.utils.unset_z3_leaf_modules(model, [MoELayer]) == flagged
+    assert deepspeed.utils.get_z3_leaf_modules(model) == []
+    with pytest.raises(ValueError, match=r"no module of MoENet is of the classes \[<class 'torch.nn.*Conv2d'>\]"):
+        deepspeed.utils.set_z3_leaf_modules(model, [nn.Conv2d])
+    assert deepspeed.utils.set_z3_leaf_modules(model, [nn.Conv2d], raise_if_not_found=False) == []
+    with pytest.raises(ValueError, match="must be a non-empty list of module classes or class names"):
+        deepspeed.utils.set_z3_leaf_modules(model, [3])
+    assert len(deepspeed.utils.set_z3_leaf_modules(model, Expert)) == 8  # exact class: subclasses are not taken
+
+
 def test_fused_and_cpu_adam_are_torchs_adam():
     params = [nn.Parameter(torch.zeros(2))]
     fused = deepspeed.ops.adam.FusedAdam(params, lr=0.1, betas=(0.8, 0.9), weight_decay=0.2)
@@ -353,8 +372,27 @@ def _comm(rank: int, world_size: int, folder: str) -> dict:
             "args": (args.local_rank, engine.local_rank, engine.zero_optimization_stage())}
 
 
+def _leaves(rank: int, flagged: bool) -> dict:
+    """Experts chosen without a router (tests/routed.py), through ``initialize`` at stage 3: their layers
+    flagged with ``deepspeed.utils.set_z3_leaf_modules`` before it, or learned in the first passes."""
+    from .routed import MoELayer, MoENet, batch
+
+    torch.manual_seed(0)
+    model = MoENet(top_k=1, gate="hash")
+    flags = deepspeed.utils.set_z3_leaf_modules(model, [MoELayer]) if flagged else []
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config(3))
+    for step in range(4):
+        for micro in range(2):  # gradient_accumulation_steps: 2
+            x, y, _ = batch(step, rank, micro)
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+    return {"flags": len(flags), "units": [u.name for u in engine.sharder.units],
+            "learned": list(engine.sharder.learner.learned), "params": _gathered(model)}
+
+
 def _door(rank: int, world_size: int, folder: str) -> dict:
-    out = {"comm": _comm(rank, world_size, folder)}
+    out = {"comm": _comm(rank, world_size, folder), "leaves": {flagged: _leaves(rank, flagged) for flagged in (True,
+                                                                                                            False)}}
     for stage in (1, 3):
         out[f"fp32 stage {stage}"] = {how: _train(rank, how, stage) for how in (
             "engine.backward", "loss.backward", "scale(loss).backward", "logits.backward(grad)")}
@@ -399,6 +437,14 @@ def test_scripts_surface_on_two_ranks(tmp_path):
         assert init["as_eager"]  # built inside zero.Init: the eager build's weights, bit for bit
         assert torch.equal(init["whole"], init["gathered"]["fc1.weight"])
     assert torch.equal(by_rank[0]["zero.Init"]["whole"], by_rank[1]["zero.Init"]["whole"])
+    for out in by_rank:  # set_z3_leaf_modules: each flagged layer one unit from the start, nothing to learn
+        flagged, learned = out["leaves"][True], out["leaves"][False]
+        assert flagged["flags"] == 2 and flagged["units"] == learned["units"]  # every parameter sharded here
+        assert {"blocks.0.moe", "blocks.1.moe"} <= set(flagged["units"]) and not any(
+            ".experts." in name for name in flagged["units"]), flagged["units"]
+        assert flagged["learned"] == [] and len(learned["learned"]) == 1
+        for name, value in learned["params"].items():  # the same training either way, to the bit
+            assert torch.equal(flagged["params"][name], value), name
 
     gathered = by_rank[0]["zero.Init"]["gathered"]
     saved16 = torch.load(tmp_path / "model16.bin", weights_only=True)

@@ -173,6 +173,7 @@ def _loops(rank: int, world_size: int) -> dict:
         result = train(fabric, model, optimizers, rank)
         result["params"] = whole(fabric, model)
         runs[f"{name}-muon"] = result
+    runs.update(_routed_experts(rank, world_size))
     # precisions against fp32 with SGD, whose update is linear in the gradient (Adam's first steps follow only
     # the gradients' signs, so rounding noise in a near-zero gradient would move a weight by a whole lr)
     for precision in ("32-true", "bf16-mixed", "bf16-true", "16-mixed"):
@@ -195,6 +196,37 @@ def _loops(rank: int, world_size: int) -> dict:
         result["scale"] = scaler.scale if scaler is not None else None
         runs[precision] = result
     return runs
+
+
+def _routed_experts(rank: int, world_size: int) -> dict:
+    """Issue 52: a top-2 mixture of experts (a router and a ModuleList of experts, each run on its tokens
+    only) under ZeroFabricStrategy(stage=3) with no other option, against Fabric's DDP finding unused
+    parameters: the plan makes each layer of experts one unit (see [Note: leaf modules] in
+    zero_strategy/engine/params/plan.py). SGD, and two micro-batches per step under no_backward_sync."""
+    from lightning.fabric.strategies import DDPStrategy
+
+    from zero_strategy.fabric import ZeroFabricStrategy
+
+    from .routed import MoENet, batch, loss_of
+
+    out = {}
+    for name, strategy in (("ddp", DDPStrategy(find_unused_parameters=True)), ("zero3", ZeroFabricStrategy(stage=3))):
+        fabric = fabric_for(strategy, world_size)
+        torch.manual_seed(0)
+        net = MoENet(top_k=2)
+        model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+        losses = []
+        for step in range(10):
+            for micro in range(2):
+                with fabric.no_backward_sync(model, enabled=micro == 0):
+                    loss = loss_of(model, *batch(step, rank, micro))
+                    fabric.backward(loss)
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        units = [u.name for u in fabric.strategy._engines[-1].sharder.units] if name == "zero3" else []
+        out[f"{name}-moe"] = {"losses": losses, "params": whole(fabric, model), "record": net.record, "units": units}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -462,3 +494,13 @@ def test_names_options_and_refusals_without_processes():
     strategy = ZeroFabricStrategy(config={"train_batch_size": 8, "zero_optimization": {"stage": 3},
                                           "bf16": {"enabled": True}})
     assert strategy.config.stage == 3 and strategy.precision.precision == "bf16-mixed"
+
+
+@pytest.mark.timeout(240)
+def test_routed_experts_at_stage_3_defaults_equal_fabric_ddp(loops):
+    for rank, runs in enumerate(loops):
+        zero, ddp = runs["zero3-moe"], runs["ddp-moe"]
+        assert_same(zero, ddp, rtol=1e-6, atol=1e-6)
+        assert zero["units"] == ["blocks.0.moe", "blocks.1.moe"]  # each layer's experts one unit
+    called = [runs["zero3-moe"]["record"] for runs in loops]  # per rank, layer, forward: the experts called
+    assert any(called[0][layer][i] != called[1][layer][i] for layer in range(2) for i in range(20))

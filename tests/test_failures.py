@@ -60,6 +60,8 @@ def test_a_rank_running_other_units_stops_every_rank_naming_what_each_ran(diverg
     assert rank0 in out and rank1 in out, out[-3000:]
     assert "(pass 3, gather" in out  # the third training step
     assert "Run every unit on every rank" in out
+    # the module inside which the ranks part (the LightningModule), to name in leaf_modules
+    assert "Here that is 'the model itself': leaf_modules=['Net']" in out, out[-3000:]
 
 
 def _start_engine_pair(case: str) -> list[subprocess.Popen]:

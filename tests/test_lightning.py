@@ -94,17 +94,20 @@ CASES: dict[str, tuple[str, ...]] = {
     "muon_bf16": ("--muon", "--steps", "24", "--precision", "bf16-mixed"),
     "muon_fp32": ("--muon", "--steps", "24"),  # DDP's reference of muon_bf16
     "muon_one": ("--muon-one",),  # automatic optimization: MuonWithAdamW and a StepLR schedule
+    # issue 52: experts chosen without a router, at zero_stage_3 with no option (DDP needs find_unused_parameters)
+    "moe": ("--moe",),
 }
 DDP_CASES = {**{name: CASES[name] for name in ("plain", "clip", "clip_value", "accumulate", "resume", "bn",
                                                "bn_nobroadcast", "muon", "muon_fp32", "muon_one")},
              "steps20": ("--steps", "20"),  # the fp32 reference of the mixed-precision runs
-             "manual": ("--manual", "--strategy", "ddp_find_unused_parameters_true")}
+             "manual": ("--manual", "--strategy", "ddp_find_unused_parameters_true"),
+             "moe": ("--moe", "--strategy", "ddp_find_unused_parameters_true")}
 ZERO_CASES = {  # what each strategy's tests read
     "zero_stage_1": ("plain", "clip", "clip_value", "accumulate", "manual", "bf16", "fp16", "muon_one"),
     "zero_stage_2": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "bn",
                      "bn_nobroadcast", "muon"),
     "zero3-linear": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "meta", "bn"),
-    "zero_stage_3": ("manual", "muon", "muon_bf16", "muon_one"),
+    "zero_stage_3": ("manual", "muon", "muon_bf16", "muon_one", "moe"),
     "zero_stage_3_offload": ("plain",),  # test_offload.py's
     "zero2-offload-overlap": ("plain", "clip", "accumulate", "resume"),  # test_offload_overlap.py's
     "zero2-local": ("accumulate",),  # local_accumulation
@@ -421,3 +424,14 @@ def test_broadcast_buffers_false_is_ddps_broadcast_buffers_false(tmp_root):
     broadcast = zero_runs(tmp_root, "zero_stage_2")["bn"]
     assert torch.equal(broadcast[0]["fit_buffers"][name], broadcast[1]["fit_buffers"][name])
     assert all(z["comm"]["broadcast"] == 0 for z in zero)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_stage3_defaults_learn_to_gather_experts_chosen_without_a_router_as_ddp_trains(tmp_root):
+    """Issue 52: ``strategy="zero_stage_3"`` and nothing else, on experts each rank calls for its own tokens;
+    the first passes (the sanity check's validation, then training) find the ranks asking for different
+    experts and make their layer one unit (see [Note: learned leaves] in zero_strategy/engine/params/leaves.py)."""
+    zero = zero_runs(tmp_root, "zero_stage_3")["moe"]
+    assert_same_run(zero, ddp_run(tmp_root, "--moe", strategy="ddp_find_unused_parameters_true"))
+    for z in zero:
+        assert z["learned"] == ["body"] and z["units"] == ["body"], (z["learned"], z["units"])

@@ -165,6 +165,8 @@ DEEPSPEED_EXAMPLES = {  # each declared key, set in a config that has it reach i
     "zero_optimization.local_accumulation": {"zero_optimization": {"local_accumulation": True}},
     "data_types.grad_accum_dtype": {"data_types": {"grad_accum_dtype": "bf16"}},
     "zero_optimization.mics_shard_size": {"zero_optimization": {"mics_shard_size": 2}},
+    "zero_optimization.leaf_module.classes": {"zero_optimization": {"leaf_module": {
+        "classes": ["my_models.moe.SparseMoeLayer"]}}},
     "torch_autocast.lower_precision_safe_modules": {"bf16": {"enabled": False}, "torch_autocast": {
         "enabled": True, "lower_precision_safe_modules": ["torch.nn.modules.linear.Linear"]}},
 }

@@ -222,7 +222,7 @@ def predict_step_bytes(module: nn.Module, config: ZeroConfig, world_size: int, r
     if config.stage == 3:
         first = element_size or params[0].element_size()
         plan = plan_units(module, config.shard_modules, config.param_persistence_threshold,
-                          config.bucket_numel(first), config.unit_params)
+                          config.bucket_numel(first), config.unit_params, leaf_modules=config.leaf_modules)
         units = [_groups(u.params, config, shards, element_size, False) for u in plan.units]
         root = _groups(plan.root, config, shards, element_size, False)
         resident = _groups(plan.resident, config, shards, element_size, True)

@@ -80,6 +80,13 @@ class ZeroConfig:
         Stage 3 without shard_modules: the size units are cut to, in parameters (see [Note: default
         units] in engine/params/plan.py). None: one bucket, and at most an eighth of the model.""")
 
+    leaf_modules: Sequence[Union[str, type]] = option((), deepspeed="zero_optimization.leaf_module.classes", doc="""
+        Stage 3: module classes (or class names) whose instances are never split into several units:
+        each one's whole subtree is gathered at its forward, so what it calls inside may differ between
+        ranks (a mixture-of-experts layer running only the experts its tokens chose). Routed experts
+        are found without it, and other data-dependent calls are learned in the first passes (see
+        [Note: leaf modules] in engine/params/plan.py); DeepSpeed's ``set_z3_leaf_modules`` sets the same.""")
+
     param_persistence_threshold: int = option(
         100_000, deepspeed="zero_optimization.stage3_param_persistence_threshold", doc="""
         Stage 3: parameters with fewer elements stay whole on every rank (biases, norms): gathering
@@ -358,6 +365,7 @@ class ZeroConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         _module_targets(self, "shard_modules")
+        _module_targets(self, "leaf_modules")
         _module_targets(self, "activation_checkpointing")
         if self.unit_params is not None and (type(self.unit_params) is not int or self.unit_params < 1):
             raise ValueError(f"unit_params={self.unit_params!r} must be a positive integer (parameters per stage-3 "

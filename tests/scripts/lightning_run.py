@@ -162,6 +162,41 @@ class WithMuonAdamW(Classifier):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class HashedExperts(nn.Module):
+    """Experts chosen by each token's features, with no router (issue 52): each expert runs on its tokens
+    only, so the ranks call different experts, which stage 3 learns to gather as one unit (see [Note:
+    learned leaves] in zero_strategy/engine/params/leaves.py). Its Linears hold over 100,000 weights:
+    ``zero_stage_3``'s defaults shard them."""
+
+    def __init__(self, width: int = 128, hidden: int = 800, experts: int = 8) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width))
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        choice = (x[:, 0].detach() * 1000).long().abs() % len(self.experts)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
+class MoEClassifier(Classifier):
+    def configure_model(self) -> None:
+        if hasattr(self, "head"):
+            return
+        self.embed = nn.Linear(11, 128)
+        self.body = HashedExperts()
+        self.head = nn.Linear(128, 3)
+        self.built_on = self.head.weight.device.type
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        return self.head(h + self.body(h))
+
+
 class Net(nn.Module):
     """The Classifier's layers as a network of their own, with a batch norm whose running statistics
     follow each rank's batches (see [Note: buffers kept in step] in zero_strategy/engine/params/buffer_sync.py)."""
@@ -271,6 +306,7 @@ def main() -> None:
     parser.add_argument("--no-broadcast-buffers", action="store_true", help="broadcast_buffers=False")
     parser.add_argument("--log-every", type=int, default=50, help="Trainer(log_every_n_steps=...)")
     parser.add_argument("--keep-printed", action="store_true", help="save what fit printed to stdout")
+    parser.add_argument("--moe", action="store_true", help="MoEClassifier: experts chosen without a router")
     args = parser.parse_args()
     if args.cases is None:
         run(args)
@@ -289,7 +325,7 @@ def run(args: argparse.Namespace) -> None:
     """One case: fit (with validation), validate, test, predict; save what this rank saw."""
     L.seed_everything(0)
     model_class = (WithMuon if args.muon else WithMuonAdamW if args.muon_one else TwoOptimizers if args.manual
-                   else Classifier)
+                   else MoEClassifier if args.moe else Classifier)
     if args.net_in_hparams:
         def model_class(configure_model: bool) -> NetInHparams:
             return NetInHparams(Net(), configure_model)
@@ -329,6 +365,7 @@ def run(args: argparse.Namespace) -> None:
     predicted = fit_trainer.predict(model, val)
     rank = fit_trainer.global_rank
     strategy = fit_trainer.strategy
+    sharder = getattr(strategy, "_sharder", None)
     strategy.barrier("end")
     collectives = {
         "reduce_sum": strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum"),
@@ -347,6 +384,8 @@ def run(args: argparse.Namespace) -> None:
         "params": whole_state(fit_trainer),
         "net_at_save": net_at_save, "loaded_net": getattr(model, "loaded_net", {}), "fit_buffers": fit_buffers,
         "printed": printed.getvalue() if args.keep_printed and not args.stop_at else "",
+        "units": [u.name for u in sharder.units] if sharder is not None else [],
+        "learned": list(sharder.learner.learned) if sharder is not None and sharder.learner is not None else [],
     }, os.path.join(args.out, f"rank{rank}.pt"))
 
 

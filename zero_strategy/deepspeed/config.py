@@ -274,6 +274,12 @@ class _Reader(Findings):
                 kwargs["offload_tile_mb"] = elements * 4 / 2**20  # a tile of fp32 master weights
             else:
                 self.ignored["zero_optimization.sub_group_size"] = "tiles only an optimizer step offloaded to NVMe here"
+        classes = read_section(zero.get("leaf_module") or {}, "zero_optimization.leaf_module").get("classes")
+        if classes is not None:
+            if not isinstance(classes, list) or not all(isinstance(c, str) and c for c in classes):
+                raise DeepSpeedConfigError(f"zero_optimization.leaf_module.classes={classes!r} must be a list of class "
+                                           "names or dotted class paths.")
+            kwargs["leaf_modules"] = tuple(c.rpartition(".")[2] for c in classes)  # a class matches by its name
         kwargs.update(read_zero_plus_plus(zero, stage, self))
         return kwargs
 

@@ -128,7 +128,9 @@ MAPPED: dict[str, frozenset] = {  # keys read by the code below, per section (""
                                     "stage3_prefetch_bucket_size", "sub_group_size", "zero_quantized_weights",
                                     "zero_hpz_partition_size", "zero_quantized_gradients",
                                     "local_accumulation",  # this package's own: see read_accumulation
-                                    "mics_shard_size"}),  # MiCS: see read_zero_plus_plus
+                                    "mics_shard_size",  # MiCS: see read_zero_plus_plus
+                                    "leaf_module"}),
+    "zero_optimization.leaf_module": frozenset({"classes"}),
     "zero_optimization.offload_optimizer": frozenset({"device", "nvme_path", "pin_memory", "super_offload"}),
     "zero_optimization.offload_param": frozenset({"device", "nvme_path", "pin_memory"}),
     "activation_checkpointing": frozenset({"cpu_checkpointing"}),
@@ -228,7 +230,10 @@ RULES: dict[str, Rule] = {
         "for DeepSpeed's save_16bit_model; checkpoints here consolidate with zero-consolidate"),
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": _harmless(
         "for DeepSpeed's save_16bit_model; checkpoints here consolidate with zero-consolidate"),
-    "zero_optimization.leaf_module": _harmless("units here are whole modules, gathered at once"),
+    "zero_optimization.leaf_module.names": _only([], "none given", "name the leaves' classes in "
+                                                 "leaf_module.classes (leaf_modules) instead of their module names"),
+    "zero_optimization.leaf_module.name_suffixes": _only([], "none given", "name the leaves' classes in "
+                                                         "leaf_module.classes (leaf_modules) instead"),
     "zero_optimization.elastic_checkpoint": _harmless("checkpoints here reshard to any world size"),
     "zero_optimization.ignore_unused_parameters": _harmless("unused parameters are handled at every stage here"),
     **{f"zero_optimization.{key}": _harmless("an implementation switch of DeepSpeed's; " + _SPEED) for key in (

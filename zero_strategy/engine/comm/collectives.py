@@ -73,6 +73,9 @@ Describe = Callable[[], str]
 """Names a collective for the watchdog's and the failures' messages: called only when needed."""
 
 
+_TWINS: dict[tuple, Any] = {}
+"""(process group, purpose) -> the process group ``Collectives.twin`` made for it, kept for the process."""
+
 BROADCAST_GATHER_BYTES = 1 << 20
 """gloo all-gathers of at least this many output bytes may run as broadcasts: see [Note: all-gather on gloo]."""
 
@@ -259,27 +262,46 @@ class Collectives:
 
     # ---- subgroups ---------------------------------------------------------------------------
 
-    def split(self, partition: Sequence[Sequence[int]]) -> "Collectives":
+    def split(self, partition: Sequence[Sequence[int]], purpose: str = "") -> "Collectives":
         """This rank's group among ``partition`` (lists of ranks of this group that cover it), as a
         Collectives counting into this one's counter. Each partition's process groups are created
         once, on first use, which every rank must reach at the same point (creating a group is a
-        collective of the whole world)."""
-        key = tuple(tuple(sorted(ranks)) for ranks in partition)
-        if sorted(r for ranks in key for r in ranks) != list(range(self.world_size)):
-            raise ValueError(f"partition {[list(k) for k in key]} must hold each of the {self.world_size} ranks once")
+        collective of the whole world); a ``purpose`` gets process groups of its own for the same
+        partition (see ``twin``)."""
+        parts = tuple(tuple(sorted(ranks)) for ranks in partition)
+        key = (purpose, *parts)
+        if sorted(r for ranks in parts for r in ranks) != list(range(self.world_size)):
+            raise ValueError(f"partition {[list(k) for k in parts]} must hold each of the {self.world_size} ranks once")
         if self.world_size == 1:
             return self
+        if len(parts) == 1 and purpose and self.world_size == dist.get_world_size():  # the whole world again
+            return self.twin(purpose)
         if key not in self._subgroups:
             if self.world_size != dist.get_world_size():
                 raise ValueError(f"subgroups are made from the whole world ({dist.get_world_size()} ranks); this "
                                  f"group has {self.world_size}: give the engine the default process group.")
             mine = None
-            for ranks in key:  # every rank creates every group, in the same order
+            for ranks in parts:  # every rank creates every group, in the same order
                 group = dist.new_group([self.global_rank(r) for r in ranks])
                 if self.rank in ranks:
                     mine = group
             self._subgroups[key] = Collectives(mine, self.collective_timeout, _parent=self)
         return self._subgroups[key]
+
+    def twin(self, purpose: str) -> "Collectives":
+        """This group's ranks over a process group of their own, for collectives whose order among this
+        group's may differ between ranks ([Note: reductions beside gathers] in
+        engine/params/flat_parameters.py), counting into this one's counter. One per purpose and
+        process group in the process, made on first use (by every rank of the world at the same point)."""
+        if self.world_size == 1:
+            return self
+        if self.world_size != dist.get_world_size():
+            raise ValueError(f"a twin of a group of {self.world_size} ranks is made with split(partition, purpose) "
+                             f"from the whole world ({dist.get_world_size()} ranks).")
+        key = (self.group if self.group is not None else dist.group.WORLD, purpose)
+        if key not in _TWINS:
+            _TWINS[key] = dist.new_group(list(range(self.world_size)))
+        return Collectives(_TWINS[key], self.collective_timeout, _parent=self)
 
     def consecutive(self, size: int) -> "Collectives":
         """This rank's group of ``size`` consecutive ranks (size divides the world size)."""

@@ -60,7 +60,7 @@ import functools
 import hashlib
 import itertools
 import weakref
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,8 +72,8 @@ from ..diagnose.watchdog import out_of_step
 from .collectives import Collectives
 
 PHASES = ("forward", "backward", "prefetch for forward", "prefetch for backward", "recomputation in backward",
-          "gathered_parameters or a state dict")
-FORWARD, BACKWARD, PREFETCH_FORWARD, PREFETCH_BACKWARD, RECOMPUTE, OUTSIDE = range(len(PHASES))
+          "gathered_parameters or a state dict", "a leaf just learned")
+FORWARD, BACKWARD, PREFETCH_FORWARD, PREFETCH_BACKWARD, RECOMPUTE, OUTSIDE, LEARNED = range(len(PHASES))
 _DOING = (  # what a rank was doing when it gathered ``unit``; ``context`` is the unit it came from
     "starting the forward of {unit} (the unit it ran before: {context})",
     "starting the backward of {unit}",
@@ -81,6 +81,7 @@ _DOING = (  # what a rank was doing when it gathered ``unit``; ``context`` is th
     "prefetching {unit} while starting the backward of {context}",
     "recomputing the forward of {unit} in backward",
     "gathering {unit} outside forward and backward (gathered_parameters, a state dict)",
+    "gathering {unit}, a leaf learned where the ranks asked for different units (engine/params/leaves.py)",
 )
 
 LEFT_OUT_MAX = 4096
@@ -105,6 +106,7 @@ class OrderGuard:
         self._left_out: list[tuple[int, ...]] = []  # tags of gathers sent without their header, not compared yet
         self._checks = 0  # comparisons of left-out tags passed (the same on ranks in step)
         self.leaves_out = False  # some gather went without its header
+        self.advise: Optional[Callable[[list[int]], str]] = None  # the sharder's: which module to name a leaf
         OrderGuard.made += 1  # every rank makes its guards in the same order; the group's first rank and size
         self._made = OrderGuard.made
         self._key = f"gather/{OrderGuard.made}/{comm.global_rank(0)}+{comm.world_size}"  # tell subgroups apart
@@ -249,8 +251,21 @@ class OrderGuard:
             "Every rank must run the same stage-3 units in the same order, whatever its data: a module skipped on one "
             "rank (a data-dependent branch), or called more often on one rank, leaves the others waiting for its "
             "parameters. Run every unit on every rank (compute the branch everywhere and multiply its result by 0 "
-            "where it is not wanted), or keep such a module out of the units: with shard_modules naming other "
+            "where it is not wanted), or make the module inside which the ranks part a leaf, with leaf_modules=[its "
+            "class] (or DeepSpeed's set_z3_leaf_modules): nothing inside it is gathered on its own then."
+            + self._advice(tags) + " Or keep such a module out of the units: with shard_modules naming other "
             "classes, its parameters stay in the root unit, gathered for the whole step.", self.comm.scope)
+
+    def _advice(self, tags: dict[int, Optional[tuple[int, ...]]]) -> str:
+        """The sharder's words on which module to name (``advise``): the one holding the units the tags name."""
+        if self.advise is None:
+            return ""
+        rows = [decode(torch.tensor([t], dtype=torch.int32))[0] for t in tags.values() if t is not None]
+        units = [u for row in rows for u in (row[2], row[4]) if u >= 0]  # what each gathered, and came from
+        try:
+            return self.advise(units)
+        except Exception:  # noqa: BLE001 - advice must never hide the error itself
+            return ""
 
     def _name(self, unit: int) -> str:
         return repr(self.names[unit]) if 0 <= unit < len(self.names) else "none"

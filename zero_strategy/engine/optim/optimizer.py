@@ -82,7 +82,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               # engine/diagnose/tally.py)
         self.step_backend: StepBackend = build_step_backend(backend, self._stepped, config, weakref.proxy(self))
         weakref.finalize(self, self.step_backend.close)
-        self.reducer = make_reducer(self.groups, config.stage, self.comm, sharder.position,
+        self.reducer = make_reducer(self.groups, config.stage, sharder.reduce_comm, sharder.position,
                                     listener=sharder if config.stage == 3 else None,
                                     host_dtypes=self._stepped.master_dtypes() if backend.on_host else None,
                                     host_listener=self.step_backend.segment_listener,

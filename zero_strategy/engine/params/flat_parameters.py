@@ -29,6 +29,21 @@ the order guard, and the flat groups themselves (see [Note: one owner of the fla
   guesses, and the collectives they issue, agree across ranks; the order guard checks it (see
   [Note: order guard] in engine/comm/order_guard.py).
 
+[Note: reductions beside gathers]
+Ranks pair their collectives on a process group in the order they issue them, so the gradient
+reductions that backward launches and the gathers it issues must interleave alike on every rank.
+The reductions' own order never depends on the data ([Note: launch order] in
+engine/grads/reducer.py), but *when* a segment is launched does: once all its gradients are in. A
+leaf (see [Note: leaf modules] in plan.py) runs some of its modules on some ranks only (an expert
+no token of this rank chose), so a segment of its unit is complete mid-backward on one rank and
+only when backward ends on another, while both gather the units before it in between: one rank's
+reduce-scatter meets another's all-gather. So wherever leaves may be (the plan has some, or the
+default plan may learn some: engine/params/leaves.py), the reductions go over a process group of
+their own with the same ranks (``Collectives.twin``; with hybrid sharding, twins of the shard
+groups), and each group keeps one order: the gathers', the same on every rank, and the reductions'.
+Plans named with ``shard_modules`` and no leaf keep one group. One more process group per process
+(NCCL makes its communicator on first use).
+
 [Note: gathers outside passes]
 ``gathered_parameters`` and the full state dicts gather units outside any pass, and every rank must
 enter them together. A rank that enters alone (``if rank == 0: model.state_dict()``) issues
@@ -66,6 +81,7 @@ See [Note: init-time sharding] in engine/params/materialize.py for a model built
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import weakref
 from typing import Iterable, Iterator, Optional, Sequence, Union
@@ -80,17 +96,21 @@ from ..buffers.flat import FlatGroup, ResidentGroup, ShardedGroup
 from ..buffers.malloc import set_mmap_threshold
 from ..buffers.pool import BufferPool
 from ..comm.collectives import Collectives
-from ..comm.order_guard import (BACKWARD, FORWARD, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD, RECOMPUTE,
-                                OrderGuard)
+from ..comm.order_guard import (BACKWARD, FORWARD, LEARNED, OUTSIDE, PHASES, PREFETCH_BACKWARD, PREFETCH_FORWARD,
+                                RECOMPUTE, OrderGuard)
 from ..comm.topology import hybrid_groups
+from ..diagnose.watchdog import out_of_step
 from .attached import attach_check, attach_hook, detach_check, detach_hook
 from .edits import seal
+from .leaves import LeafLearner
 from .materialize import is_deferred, materialize_meta
-from .plan import UnitPlan, plan_units
+from .plan import UnitPlan, is_called, plan_units
 from .saved_weights import SavedWeights
 from .unit import Unit, UnitState, in_backward
 from .whole_state import load_full_state_dict, take_over_loading
 
+
+log = logging.getLogger(__name__)
 
 _OWNERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 """Each parameter's FlatParameters, weakly (see ``owner_of``): kept here, not on the parameter, which
@@ -204,7 +224,8 @@ class FlatParameters:
                 raise ValueError("ZeRO stage 3 gathers parameters around their modules' forward: give shard_module "
                                  "the module, not a list of parameters.")
             self.plan: UnitPlan = plan_units(self.module, config.shard_modules, config.param_persistence_threshold,
-                                             config.bucket_numel(params[0].element_size()), config.unit_params)
+                                             config.bucket_numel(params[0].element_size()), config.unit_params,
+                                             leaf_modules=config.leaf_modules)
             self._agree_on_plan()
         else:  # stages 1-2: the trainable parameters, whole on every rank
             self.plan = UnitPlan((), (), tuple(p for p in params if p.requires_grad), None)
@@ -216,6 +237,8 @@ class FlatParameters:
         if meta:
             raise ValueError(f"buffers {meta[:5]} are still on the meta device after sharding: build modules that "
                              "hold buffers but no parameters in __init__, not in configure_model.")
+        self._groups = [g for u in self.all_units for g in u.groups] + self.resident  # the order stays: see learn_leaf
+        self._every_unit = list(self.all_units)  # the units merged into learned leaves too
         self._unit_of_group = {id(g): u for u in self.all_units for g in u.groups}
         self.unit_of = {p: u for u in self.all_units for g in u.groups for p in g.params}
         self.full_numel = {p: n for g in self.groups for p, n in zip(g.params, g.layout.numels)}
@@ -223,6 +246,7 @@ class FlatParameters:
         comm.breakdown.enable(config.step_breakdown, guard_device)  # see [Note: the step breakdown]
         self.guard = OrderGuard(comm, [u.name for u in self.all_units], guard_device, config.unit_order_wait)
         self.guard.enabled &= config.check_unit_order and config.stage == 3
+        self.guard.advise = self._leaf_advice
         self._next_of: dict[Unit, Unit] = {}  # the unit that ran after it last time
         self._prev_of: dict[Unit, Unit] = {}
         self._last: Optional[Unit] = None  # the unit entered last in this forward pass
@@ -239,14 +263,12 @@ class FlatParameters:
         if config.gradient_quantization is not None:
             comm.hierarchy  # its process groups, now, at the same point on every rank
         self._handles: list[tuple[nn.Module, RemovableHandle]] = []  # attached: see engine/params/attached.py
+        self._unit_handles: dict[int, list[tuple[nn.Module, RemovableHandle]]] = {}  # unit index -> its hooks
         self._checked: list[nn.Module] = []  # modules a copy of which must find their parameters whole
         if config.stage == 3:
             assert self.module is not None
             for unit in self.units:
-                for mod in unit.modules:
-                    self._hook(mod, mod.register_forward_pre_hook(_eager(unit.pre_forward)))
-                    self._hook(mod, mod.register_forward_hook(_eager(unit.post_forward),
-                                                              always_call=True))  # pops the saved-tensor hooks
+                self._hook_unit(unit)
             root = self.module
             self._hook(root, root.register_forward_pre_hook(_eager(self._pre_forward_root)))
             self._hook(root, root.register_forward_hook(_eager(self._post_forward_root), always_call=True))
@@ -266,6 +288,17 @@ class FlatParameters:
             # [Note: loading a full state dict] in engine/params/whole_state.py
             for module, handle in take_over_loading(self.module, self.groups):
                 self._hook(module, handle)
+        # leaves learned in the first passes: see [Note: learned leaves] in engine/params/leaves.py
+        self.learner = LeafLearner(self) if (config.stage == 3 and not config.shard_modules and self.units
+                                             and self.guard.enabled) else None
+        self._held_for_pass: list[Unit] = []  # merged units held until the pass ends (see learn_leaf)
+        self.reduce_comm = comm  # the gradient reductions' group: see [Note: reductions beside gathers]
+        if config.stage == 3 and comm.world_size > 1 and (self.plan.leaves or self.learner is not None):
+            self.reduce_comm = (self.world_comm.split(self.hybrid.mesh.shard_groups(), "gradient reductions")
+                                if self.hybrid is not None else comm.twin("gradient reductions"))
+        if config.stage == 3 and self.plan.leaves and comm.rank == 0:
+            log.info("stage 3: leaves (each one unit with its whole subtree): %s",
+                     "; ".join(f"{name!r}: {why}" for name, why in self.plan.leaves))
         comm.begin_step()  # the first step's bytes start here: set-up broadcasts are not a step's
 
     def comm_stats(self, times: bool = False) -> dict[str, float]:
@@ -354,14 +387,123 @@ class FlatParameters:
 
     @property
     def groups(self) -> list[FlatGroup]:
-        """Every flat group: sharded ones of the units, then the resident ones."""
-        return [g for u in self.all_units for g in u.groups] + self.resident
+        """Every flat group: sharded ones of the units (in the plan's order, whatever leaves were learned
+        since), then the resident ones."""
+        return self._groups
+
+    def _hook_unit(self, unit: Unit) -> None:
+        """The forward hooks of ``unit``'s modules (see [Note: when units are gathered])."""
+        handles = self._unit_handles.setdefault(unit.index, [])
+        for mod in unit.modules:
+            for handle in (mod.register_forward_pre_hook(_eager(unit.pre_forward)),
+                           mod.register_forward_hook(_eager(unit.post_forward),
+                                                     always_call=True)):  # pops the saved-tensor hooks
+                self._hook(mod, handle)
+                handles.append((mod, handle))
+
+    # ---- learned leaves: see [Note: learned leaves] in engine/params/leaves.py ----------------
+
+    def _leaf_advice(self, indices: Sequence[int]) -> str:
+        """For the guard's message: the module inside which units ``indices`` lie, to name in leaf_modules."""
+        units = [u for u in self.all_units if u.index in set(indices) and u.modules]
+        if not units or self.module is None:
+            return ""
+        inside = None  # the modules holding every unit's modules, outermost first
+        for u in units:
+            for m in u.modules:
+                holders = [h for h in self.module.modules() if is_called(h) and any(s is m for s in h.modules())]
+                inside = holders if inside is None else [h for h in inside if any(h is k for k in holders)]
+        leaf = inside[-1] if inside else self.module
+        name = next(n for n, m in self.module.named_modules() if m is leaf) or "the model itself"
+        return (f" Here that is {name!r}: leaf_modules=[{type(leaf).__name__!r}] makes each {type(leaf).__name__} "
+                "one unit, its whole subtree gathered at its forward.")
+
+    def units_inside(self, module: nn.Module) -> list[Unit]:
+        """The units whose modules all lie inside ``module`` (not the root unit)."""
+        within = {id(m) for m in module.modules()}
+        return [u for u in self.units if all(id(m) in within for m in u.modules) and u.modules != (module,)]
+
+    def unit_by_index(self, index: int) -> Optional[Unit]:
+        """The unit of that index now (a unit merged into a leaf since: the leaf's), None for none."""
+        unit = next((u for u in self._every_unit if u.index == index), None)
+        while unit is not None and unit.replaced_by is not None:
+            unit = unit.replaced_by
+        return unit
+
+    def learn_leaf(self, leaf: nn.Module, why: str, hold: bool = True) -> Unit:
+        """Make ``leaf`` and its class-mates leaves, each one merged unit over the flat groups of the
+        units inside it; returns ``leaf``'s, gathered next (see [Note: learned leaves]). ``hold``: each
+        is held from its first gather to the pass's end (a leaf learned inside a pass)."""
+        names = {m: n for n, m in self.module.named_modules()}
+        mates = [leaf] if leaf is self.module else [
+            m for m in self.module.modules() if type(m) is type(leaf) and self.units_inside(m)]
+        merged_of_leaf = None
+        made = []
+        for mate in mates:
+            members = self.units_inside(mate)
+            if not members:
+                continue
+            merged = self._merge(mate, names[mate] or "(the model)", members)
+            made.append((merged, len(members)))
+            if hold:  # until the pass ends, on every rank alike: see [Note: learned leaves] in engine/params/leaves.py
+                merged.hold()
+                self._held_for_pass.append(merged)
+            if mate is leaf:
+                merged_of_leaf = merged
+        assert merged_of_leaf is not None
+        if self.comm.rank == 0:
+            log.warning("ZeRO stage 3: %s (%s) is a leaf from now on (%s); %s. Each is one unit with its whole "
+                        "subtree, gathered at its forward. To plan it so from the start, pass leaf_modules=[%r].",
+                        merged_of_leaf.name, type(leaf).__name__, why,
+                        "so are its class-mates " + ", ".join(repr(m.name) for m, _ in made if m is not merged_of_leaf)
+                        if len(made) > 1 else "it has no class-mate", type(leaf).__name__)
+        return merged_of_leaf
+
+    def _merge(self, module: nn.Module, name: str, members: list[Unit]) -> Unit:
+        """One unit over ``members``' flat groups, with ``module``'s hooks, in their place."""
+        for u in members:
+            if not u.release() and u.state is not UnitState.RELEASED:
+                raise out_of_step(
+                    f"ZeRO stage 3: the ranks part inside {name!r} ({type(module).__name__}), where unit {u.name!r} is "
+                    f"in use ({u.users} forwards running, {u.holds} holds: a leaf learned in this pass, or "
+                    "gathered_parameters), so no leaf can be learned there now. Name the class in "
+                    f"leaf_modules=[{type(module).__name__!r}] (or the class inside it whose calls differ between "
+                    "ranks) to plan it as a leaf from the start.", self.comm.scope)
+        merged = Unit(len(self.guard.names), name, [g for u in members for g in u.groups], (module,))
+        merged.schedule = self
+        self._every_unit.append(merged)
+        self.guard.names.append(name)
+        gone = {id(u) for u in members}
+        for u in members:
+            u.replaced_by = merged
+            for mod, handle in self._unit_handles.pop(u.index, []):
+                detach_hook(mod, handle)
+                self._handles.remove((mod, handle))
+        first = next(i for i, u in enumerate(self.units) if id(u) in gone)
+        self.units = [u for u in self.units[:first] if id(u) not in gone] + [merged] + [
+            u for u in self.units[first:] if id(u) not in gone]
+        self._hook_unit(merged)
+        for g in merged.groups:
+            self._unit_of_group[id(g)] = merged
+            for p in g.params:
+                self.unit_of[p] = merged
+
+        def current(u: Optional[Unit]) -> Optional[Unit]:
+            return merged if u is not None and id(u) in gone else u
+
+        self._next_of = {current(a): current(b) for a, b in self._next_of.items() if current(a) is not current(b)}
+        self._prev_of = {current(a): current(b) for a, b in self._prev_of.items() if current(a) is not current(b)}
+        self._last = current(self._last)
+        self._nesting.clear()
+        return merged
 
     # ---- gather and release ----------------------------------------------------------------
 
-    def gather(self, unit: Unit, phase: int = OUTSIDE, wait: bool = True, context: Optional[Unit] = None) -> None:
+    def gather(self, unit: Unit, phase: int = OUTSIDE, wait: bool = True, context: Optional[Unit] = None) -> Unit:
         """Gather ``unit``, its all-gathers carrying the order guard's tag (see [Note: order guard]);
-        ``context`` is the unit whose hook asks, for the guard's message.
+        ``context`` is the unit whose hook asks, for the guard's message. Returns the unit gathered:
+        another where the ranks asked for different units and a leaf was learned (see [Note: learned
+        leaves] in engine/params/leaves.py).
 
         [Note: which gather]
         Outside forward and backward (state dicts, gathered_parameters) a gather is exact, over all
@@ -371,6 +513,17 @@ class FlatParameters:
         its secondary parts is gathered from them, within its secondary group; any other the way
         forward gathers it (and without keeping anything).
         """
+        while context is not None and context.replaced_by is not None:  # a unit in a leaf learned since
+            context = context.replaced_by
+        if unit.needs_gather and phase != OUTSIDE and self.learner is not None and self.learner.checking:
+            merged = self.learner.announce(unit, phase, context)
+            if merged is not unit:  # a leaf learned: every rank gathers it, alike, whatever each asked for
+                self.gather(merged, LEARNED, True)
+                while unit.replaced_by is not None:  # in the leaf, or in a class-mate of it
+                    unit = unit.replaced_by
+                if unit is merged or phase in (PREFETCH_FORWARD, PREFETCH_BACKWARD):
+                    return merged
+                return self.gather(unit, phase, wait, context)  # past the leaf: what it asked for, again
         if unit.needs_gather:
             header = self.guard.header(unit.index, phase, context.index if context is not None else -1)
             backward = phase in (BACKWARD, PREFETCH_BACKWARD, RECOMPUTE)
@@ -385,6 +538,7 @@ class FlatParameters:
                             None if phase == OUTSIDE else self.weight_quantization, keep, header)
         if wait:
             unit.wait()
+        return unit
 
     def shards_written(self, groups: Iterable[FlatGroup]) -> None:
         """``groups``' shards were written by a step (a collective point): their gathered copies are
@@ -441,7 +595,12 @@ class FlatParameters:
             self._prev_of[unit] = previous
             previous.release()  # done with, unless a forward of its own is still running (nesting)
         self._last = unit
-        self.gather(unit, FORWARD, context=previous)
+        if self.learner is not None and self.learner.checking:
+            self.learner.entries.append(unit.index)
+        gathered = self.gather(unit, FORWARD, context=previous)
+        if gathered is not unit:  # a leaf was learned: see [Note: learned leaves] in engine/params/leaves.py
+            self._last = gathered
+            return
         self._prefetch(self._next_of.get(unit), PREFETCH_FORWARD, unit)
 
     def backward_reached(self, unit: Unit) -> None:
@@ -474,14 +633,20 @@ class FlatParameters:
             self._backward_ended = False
             self.guard.begin_pass()
             self.pool.begin_pass()
+            if self.learner is not None and self.learner.checking:
+                self.learner.begin_pass()
 
     def _end_pass(self) -> None:
         self._in_pass = False
         self._last = None
+        while self._held_for_pass:  # see learn_leaf
+            self._held_for_pass.pop().unhold()
         for unit in self.all_units:
             unit.end_pass()
         self.pool.end_pass()
         self.guard.end_pass(step_follows=self._backward_ended)
+        if self.learner is not None and self.learner.checking:
+            self.learner.end_pass(self._backward_ended)
 
     # ---- called by the gradient reducer ----------------------------------------------------
 
@@ -569,6 +734,8 @@ class FlatParameters:
                 "whole (checkpoints do that for the modules their state holds).")
 
     def remove_hooks(self) -> None:
+        if self.learner is not None:
+            self.learner.stop()
         for module, handle in self._handles:
             detach_hook(module, handle)
         self._handles.clear()

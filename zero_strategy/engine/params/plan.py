@@ -19,7 +19,31 @@ so the largest unit is a small part of the model whatever its shape; ``unit_para
 instead. Containers that are never called (``ModuleList``, ``ModuleDict``) are walked through and
 never become units: their forward hooks would never run, so nothing would gather them. Parameters a
 module holds directly while its children are split (a positional table beside the blocks, say)
-fall to the root unit.
+fall to the root unit. A *leaf* is never split (see [Note: leaf modules]).
+
+[Note: leaf modules]
+A leaf is a module whose whole subtree is one unit, gathered at its pre-forward: what the modules
+inside it call, how often and in which order, may then depend on the data and differ between ranks,
+since nothing inside it gathers. Every rank must gather the same units in the same order (see
+[Note: order guard] in engine/comm/order_guard.py), and a mixture-of-experts layer whose forward
+runs each expert only on the tokens routed to it calls different experts on different ranks; so
+its experts must not be units of their own. The default walk treats a leaf as any child that is
+not split: a unit alone when bigger than the target, else grouped with its siblings; its
+parameters belong to that unit (tied ones still go to the root). Leaves come from:
+- ``leaf_modules`` (class names, or classes and their subclasses) and the modules flagged
+  ``_z3_leaf = True`` (DeepSpeed's ``set_z3_leaf_modules``, in zero_strategy/utils/z3_leaf_module.py).
+  With ``shard_modules`` too, a named module inside a leaf is no unit of its own and a leaf outside
+  every named module is a unit;
+- routed experts, recognised without any option (default walk only): a called module holding a
+  ModuleList or ModuleDict of at least two called modules of one class (the experts), and, in its
+  subtree outside that container, a parameter with a dimension equal to their number (the router:
+  Mixtral's, Qwen-MoE's or Switch's ``gate``/``router`` Linear, DeepSeek's ``MoEGate`` weight). A
+  candidate holding more than half of the model's shardable elements is not taken (a model whose
+  classifier has as many classes as it has layers looks the same, and one unit for the whole model
+  would gather it all): the learned leaves below cover that case. GPT-2's and BERT's plans do not
+  change (tests/test_unit_plan.py);
+- learned at run time, for what no rule sees (adaptive depth, a branch taken on some ranks, experts
+  without a router): see [Note: learned leaves] in engine/params/leaves.py.
 """
 
 from __future__ import annotations
@@ -67,26 +91,57 @@ class UnitPlan:
     root: tuple[nn.Parameter, ...]  # gathered for the whole step
     resident: tuple[nn.Parameter, ...]  # whole on every rank, never gathered
     target: Optional[int]  # the size target of the default walk (None: shard_modules chose)
+    leaves: tuple[tuple[str, str], ...] = ()  # (module name, why it is a leaf): see [Note: leaf modules]
+
+
+def is_flagged_leaf(module: nn.Module) -> bool:
+    """Whether ``module`` carries DeepSpeed's leaf flag (``set_z3_leaf_modules``)."""
+    return getattr(module, "_z3_leaf", False) is True
+
+
+def routed_experts(module: nn.Module) -> Optional[str]:
+    """Why ``module`` looks like a layer of routed experts (see [Note: leaf modules]), or None."""
+    if not is_called(module):
+        return None
+    for name, child in module.named_children():
+        if not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        experts = list(child.children())
+        if len(experts) < 2 or len({type(e) for e in experts}) != 1 or not is_called(experts[0]):
+            continue
+        if not any(True for e in experts for _ in e.parameters()):
+            continue
+        inside = {id(p) for p in child.parameters()}
+        for p_name, p in module.named_parameters():
+            if id(p) not in inside and len(experts) in p.shape:
+                return (f"{len(experts)} {type(experts[0]).__name__} in {name!r} beside the router weight "
+                        f"{p_name!r} {tuple(p.shape)}")
+    return None
 
 
 def plan_units(module: nn.Module, shard_modules: Sequence[ModuleTarget] = (), persist_numel: int = 100_000,
-               bucket_numel: int = 6_553_600, unit_params: Optional[int] = None) -> UnitPlan:
-    """Units of ``module`` (see [Note: units] and [Note: default units]).
+               bucket_numel: int = 6_553_600, unit_params: Optional[int] = None,
+               leaf_modules: Sequence[ModuleTarget] = ()) -> UnitPlan:
+    """Units of ``module`` (see [Note: units], [Note: default units] and [Note: leaf modules]).
 
-    ``shard_modules`` names the unit classes; when it matches no module, or names a container that
-    is never called, this raises, listing the classes the model has. ``bucket_numel`` and
-    ``unit_params`` shape the default walk.
+    ``shard_modules`` names the unit classes, ``leaf_modules`` the classes never split; a name of
+    either that matches a container that is never called raises, and so does ``shard_modules``
+    matching no module (``leaf_modules`` then logs a warning), listing the classes the model has.
+    ``bucket_numel`` and ``unit_params`` shape the default walk.
     """
     order = list(dict.fromkeys(module.parameters()))  # model order, each parameter once
     resident = tuple(p for p in order if p.numel() < persist_numel)
     shardable = {p for p in order if p.numel() >= persist_numel}
+    total = sum(p.numel() for p in shardable)
+    leaves = _leaves(module, leaf_modules, shardable, total, routed=not shard_modules)
     target = None
-    if shard_modules:
-        groups = _named_units(module, shard_modules)
+    if module in leaves:  # the whole model is one leaf: every parameter in the root unit
+        groups: list[list[tuple[str, nn.Module]]] = []
+    elif shard_modules:
+        groups = _named_units(module, shard_modules, leaves)
     else:
-        total = sum(p.numel() for p in shardable)
         target = unit_params if unit_params is not None else min(bucket_numel, -(-total // MAX_UNIT_FRACTION))
-        groups = _walk(module, "", max(1, target), shardable)
+        groups = _walk(module, "", max(1, target), shardable, leaves)
 
     unit_of_module: dict[nn.Module, int] = {}
     for index, members in enumerate(groups):  # outer units come first: an inner (nested) one overrides
@@ -110,39 +165,92 @@ def plan_units(module: nn.Module, shard_modules: Sequence[ModuleTarget] = (), pe
             root.append(p)
     units = tuple(PlannedUnit(_unit_name(members), tuple(m for _, m in members), tuple(members_of[i]))
                   for i, members in enumerate(groups) if members_of[i])
-    return UnitPlan(units, tuple(root), resident, target)
+    names = {m: n or "(the model)" for n, m in module.named_modules()}
+    return UnitPlan(units, tuple(root), resident, target, tuple((names[m], why) for m, why in leaves.items()))
 
 
-def _named_units(module: nn.Module, shard_modules: Sequence[ModuleTarget]) -> list[list[tuple[str, nn.Module]]]:
-    """Each module of a named class is a unit; inner matches are units of their own (innermost wins)."""
-    named = [(n, m) for n, m in module.named_modules() if n and module_matches(m, shard_modules)]
-    matched = {target_name(t) for t in shard_modules if any(module_matches(m, (t,)) for _, m in named)}
+def _matching(module: nn.Module, targets: Sequence[ModuleTarget], option: str) -> list[tuple[str, nn.Module]]:
+    """The modules of ``module`` of a class ``targets`` names (``option``'s), checked: an error when one is
+    a container that is never called or (shard_modules) when none matches, a log line for the names that
+    match nothing."""
+    named = [(n, m) for n, m in module.named_modules() if n and module_matches(m, targets)]
+    matched = {target_name(t) for t in targets if any(module_matches(m, (t,)) for _, m in named)}
     if not matched:
         classes = Counter(type(m).__name__ for _, m in module.named_modules() if any(True for _ in m.parameters()))
         listed = ", ".join(f"{c} ({n})" for c, n in classes.most_common())
+        if option == "leaf_modules":  # a safety net that may name classes of other models (DeepSpeed's list)
+            log.warning("leaf_modules=%s matches no module of %s: no module is a leaf by name. Its classes that hold "
+                        "parameters (with counts) are: %s.", [target_name(t) for t in targets],
+                        type(module).__name__, listed)
+            return []
         raise ValueError(
-            f"shard_modules={[target_name(t) for t in shard_modules]} matches no module of {type(module).__name__}, so "
+            f"shard_modules={[target_name(t) for t in targets]} matches no module of {type(module).__name__}, so "
             f"stage 3 would shard no parameter by module. The model's classes that hold parameters (with counts) are: "
             f"{listed}. Name the class of its repeated blocks (e.g. the transformer layer), or leave shard_modules "
             "empty to let stage 3 choose units by size.")
-    unmatched = [target_name(t) for t in shard_modules if target_name(t) not in matched]
+    unmatched = [target_name(t) for t in targets if target_name(t) not in matched]
     if unmatched:
-        log.info("shard_modules: %s matched, %s not in this model", sorted(matched), unmatched)
+        log.info("%s: %s matched, %s not in this model", option, sorted(matched), unmatched)
     for name, m in named:
         if not is_called(m):
             raise ValueError(
-                f"shard_modules matched {name!r}, a {type(m).__name__}, which is a container that is never called (it "
+                f"{option} matched {name!r}, a {type(m).__name__}, which is a container that is never called (it "
                 "has no forward of its own), so nothing would gather its parameters. Name the class of its elements "
                 "instead.")
-    return [[(n, m)] for n, m in named]
+    return named
+
+
+def _leaves(module: nn.Module, leaf_modules: Sequence[ModuleTarget], shardable: set[nn.Parameter], total: int,
+            routed: bool) -> dict[nn.Module, str]:
+    """The outermost leaf modules, in model order, with why each is one (see [Note: leaf modules])."""
+    if module_matches(module, leaf_modules) or is_flagged_leaf(module):
+        return {module: f"the model itself ({type(module).__name__}) is a leaf"}
+    named = dict(_matching(module, leaf_modules, "leaf_modules")) if leaf_modules else {}
+    found: dict[nn.Module, str] = {}
+    inside: set[int] = set()  # ids of the modules within a leaf found so far
+    for name, m in module.named_modules():
+        if id(m) in inside or not name:
+            continue
+        why = None
+        if name in named:
+            why = f"leaf_modules names {type(m).__name__}"
+        elif is_flagged_leaf(m):
+            if not is_called(m):
+                raise ValueError(f"{name!r}, a {type(m).__name__}, is flagged as a leaf (set_z3_leaf_modules) but is "
+                                 "a container that is never called, so nothing would gather its parameters. Flag "
+                                 "the class of its elements instead.")
+            why = "flagged by set_z3_leaf_modules"
+        elif routed:
+            why = routed_experts(m)
+            if why is not None and 2 * _size(m, shardable) > total:
+                log.info("stage 3: %r (%s) looks like routed experts (%s) but holds over half the model: not "
+                         "made a leaf", name, type(m).__name__, why)
+                why = None
+        if why is not None:
+            found[m] = why
+            inside.update(id(sub) for sub in m.modules())
+    return found
+
+
+def _named_units(module: nn.Module, shard_modules: Sequence[ModuleTarget],
+                 leaves: dict[nn.Module, str]) -> list[list[tuple[str, nn.Module]]]:
+    """Each module of a named class is a unit; inner matches are units of their own (innermost wins);
+    a leaf absorbs the named modules inside it and is a unit where no named module holds it."""
+    named = _matching(module, shard_modules, "shard_modules")
+    within_leaf = {id(sub) for leaf in leaves for sub in leaf.modules() if sub is not leaf}
+    units = {id(m) for n, m in named if id(m) not in within_leaf}
+    within_named = {id(sub) for n, m in named if id(m) in units for sub in m.modules()}
+    units |= {id(leaf) for leaf in leaves if id(leaf) not in within_named}
+    return [[(n, m)] for n, m in module.named_modules() if id(m) in units]
 
 
 def _size(module: nn.Module, shardable: set[nn.Parameter]) -> int:
     return sum(p.numel() for p in dict.fromkeys(module.parameters()) if p in shardable)
 
 
-def _walk(module: nn.Module, prefix: str, target: int, shardable: set[nn.Parameter]) -> list[list[tuple[str, nn.Module]]]:
-    """Units among ``module``'s children (see [Note: default units])."""
+def _walk(module: nn.Module, prefix: str, target: int, shardable: set[nn.Parameter],
+          leaves: dict[nn.Module, str]) -> list[list[tuple[str, nn.Module]]]:
+    """Units among ``module``'s children (see [Note: default units] and [Note: leaf modules])."""
     units: list[list[tuple[str, nn.Module]]] = []
     run: list[tuple[str, nn.Module]] = []
     used = 0
@@ -151,12 +259,12 @@ def _walk(module: nn.Module, prefix: str, target: int, shardable: set[nn.Paramet
         size = _size(child, shardable)
         if size == 0:
             continue
-        splittable = any(_size(c, shardable) for c in child.children())
+        splittable = child not in leaves and any(_size(c, shardable) for c in child.children())
         if not is_called(child) or (size > target and splittable):
             if run:
                 units.append(run)
             run, used = [], 0
-            units += _walk(child, name + ".", target, shardable)
+            units += _walk(child, name + ".", target, shardable, leaves)
             continue
         if run and used + size > target:
             units.append(run)

@@ -86,6 +86,7 @@ class Unit:
         self._pending: list[Pending] = []
         self._entered: list[nn.Module] = []  # modules whose pre-hook completed and post-hook has not run
         self._handed_over: set[int] = set()  # ids of its groups whose gradients the reducer has, this backward
+        self.replaced_by: Optional["Unit"] = None  # the unit of a leaf learned around it (engine/params/leaves.py)
 
     @property
     def is_root(self) -> bool:
@@ -113,6 +114,8 @@ class Unit:
         else:
             self.schedule.entering(self)
             self.training_state = TrainingState.FORWARD
+        if self.replaced_by is not None:  # a leaf learned around it, held gathered: see [Note: learned leaves]
+            return
         self.schedule.saved_weights.push()  # see [Note: saved weights] in engine/params/saved_weights.py
         self.enter(module)
 
@@ -136,6 +139,9 @@ class Unit:
             torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
 
     def pre_backward(self, grad: Any) -> None:
+        if self.replaced_by is not None:  # a hook of this pass's forward: the leaf's unit serves it
+            self.replaced_by.pre_backward(grad)
+            return
         self.schedule.gather(self, BACKWARD)
         self.training_state = TrainingState.PRE_BACKWARD
         self.schedule.backward_reached(self)
