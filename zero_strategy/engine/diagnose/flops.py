@@ -2,18 +2,23 @@
 
 [Note: counting FLOPs]
 The FLOPs of one training step are counted by torch's own counter (``torch.utils.flop_counter.
-FlopCounterMode``) over the engine's first training step: from its first forward with grad enabled
-to the end of its optimizer step, every micro-batch's forward and backward (the FLOPs a forward runs
-are kept apart, for DeepSpeed's profile). It counts what runs (matrix products, convolutions,
-attention) from the shapes, for any model, where the rule of 6 x parameters x tokens holds only for
-a transformer's dense layers: it leaves out attention's own products, which grow with the sequence
-length, and counts the embedding lookups, which multiply nothing. What the counter counts is what
-executes: a forward recomputed by activation checkpointing counts again, and a layer whose input
-needs no gradient computes none (its weight's gradient only). The count is this rank's, for its
+FlopCounterMode``) over the forwards of the engine's first training step (each micro-batch's, with
+grad enabled), and backward is counted as twice its forward: each product of the forward is two
+products in backward, the gradients of both of its operands, as DeepSpeed's flops profiler counts it.
+The counter is a dispatch mode, entered when a forward begins and left when it returns, in the
+thread that runs it: one kept on from the forward through backward to the optimizer step would stay
+on for good, slowing every operation and keeping tensors alive, wherever a forward is not followed
+by a step (a forward to inspect a loss, a dropped engine), and backward may run on other threads.
+The rule overcounts by the input gradient of a layer whose input needs none (the first layer after
+the data, when its input is not an embedding's output). It counts what runs (matrix products,
+convolutions, attention) from the shapes, for any model, where the rule of 6 x parameters x tokens
+holds only for a transformer's dense layers: it leaves out attention's own products, which grow with
+the sequence length, and counts the embedding lookups, which multiply nothing. A forward recomputed
+by activation checkpointing is not counted (it runs in backward). The count is this rank's, for its
 micro-batches; it is taken once, assuming every step runs the same shapes. Counting slows that one
-step (each operation passes through Python), which is left out of the breakdown's sums anyway. A
-model that runs compiled (``torch.compile``) is not counted: code that torch.compile meets while the
-counter's dispatch mode is active stays uncompiled for good.
+step's forwards (each operation passes through Python), which is left out of the breakdown's sums
+anyway. A model that runs compiled (``torch.compile``) is not counted: code that torch.compile meets
+while the counter's dispatch mode is active stays uncompiled for good.
 
 MFU is the counted FLOPs per second over the device's peak: ``peak_flops`` when given, else the
 dense tensor-core peak of the working dtype for the GPUs of ``PEAK_TFLOPS`` (TF32 for fp32 when
@@ -68,6 +73,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
 _WRAPPERS = os.path.join("_dynamo", "eval_frame.py")
 
 
+BACKWARD_FACTOR = 2
+"""A backward's FLOPs per forward FLOP: two products per forward product (see [Note: counting FLOPs])."""
+
+
 def is_compiled(module: Optional[nn.Module]) -> bool:
     """Whether ``module`` runs compiled, or one of its submodules does (``torch.compile(net)``,
     ``net.compile()``), or it is called from compiled code (``torch.compile(model)``, a compiled
@@ -89,47 +98,45 @@ def is_compiled(module: Optional[nn.Module]) -> bool:
 
 
 class FlopCount:
-    """The FLOPs of one training step (see [Note: counting FLOPs]): counted from the first training
-    forward to the end of that step; ``per_step`` and ``forward_per_step`` once done."""
+    """The FLOPs of one training step (see [Note: counting FLOPs]): its forwards counted, from the first
+    training forward to the end of that step; ``per_step`` and ``forward_per_step`` once done."""
 
     def __init__(self) -> None:
         self.per_step: Optional[int] = None
         self.forward_per_step: Optional[int] = None
         self.skipped: Optional[str] = None  # why nothing was counted
-        self._mode = None
+        self._mode = None  # the counter, entered during a forward only
         self._forward = 0
-        self._mark = 0
 
     @property
     def counting(self) -> bool:
         return self._mode is not None
 
     def forward_began(self, module: Optional[nn.Module]) -> None:
-        if self.per_step is not None or self.skipped is not None:
+        if self.per_step is not None or self.skipped is not None or self._mode is not None:
             return
-        if self._mode is None:
-            if is_compiled(module):
-                self.skipped = "the model runs compiled (torch.compile), which the counter would keep from compiling"
-                return
-            from torch.utils.flop_counter import FlopCounterMode
+        if is_compiled(module):
+            self.skipped = "the model runs compiled (torch.compile), which the counter would keep from compiling"
+            return
+        from torch.utils.flop_counter import FlopCounterMode
 
-            self._mode = FlopCounterMode(display=False)
-            self._mode.__enter__()
-        self._mark = self._mode.get_total_flops()
+        self._mode = FlopCounterMode(display=False)
+        self._mode.__enter__()
 
     def forward_ended(self) -> None:
-        if self._mode is not None:
-            self._forward += self._mode.get_total_flops() - self._mark
-
-    def step_ended(self) -> None:
+        """The forward ends, and its counter with it (in the thread that entered it, as a dispatch mode needs)."""
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
-            self.per_step, self.forward_per_step = int(mode.get_total_flops()), int(self._forward)
+            self._forward += int(mode.get_total_flops())
+
+    def step_ended(self) -> None:
+        self.forward_ended()
+        if self.per_step is None and self.skipped is None and self._forward:
+            self.forward_per_step = self._forward
+            self.per_step = BACKWARD_FACTOR * self._forward + self._forward
 
     def abort(self) -> None:
         """The step being counted will not end as a step (an evaluation loop reset it): count the next."""
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+        self.forward_ended()
         self._forward = 0

@@ -74,7 +74,6 @@ from .plan import is_called
 from .unit import in_backward
 
 if TYPE_CHECKING:
-    from .flat_parameters import FlatParameters
     from .unit import Unit
 
 log = logging.getLogger(__name__)
@@ -94,7 +93,9 @@ _BACKWARD_PHASES = (BACKWARD, PREFETCH_BACKWARD, RECOMPUTE)
 class LeafLearner:
     """The checking passes of one sharder: announcements, and the leaves learned from them."""
 
-    def __init__(self, sharder: "FlatParameters") -> None:
+    def __init__(self, sharder: Any) -> None:
+        # ``sharder``: the FlatParameters that builds this learner (engine/params/flat_parameters.py, which
+        # imports this module: not imported back, so the package has no import circle)
         self.sharder = sharder
         self.root = sharder.module
         self.modules = list(self.root.modules())  # the same order on every rank: a module's number
