@@ -25,6 +25,23 @@ import torch
 __all__ = ["DeepSpeedMuon", "MuonWithAdamW"]
 
 
+def _tagged_group(optimizer: torch.optim.Optimizer, param_group: dict[str, Any], other: str, rule: str,
+                  shape_of: Callable[[torch.Tensor], tuple], takes: Callable[[tuple], bool]) -> bool:
+    """A param group of an optimizer that steps ``use_muon=True`` groups by Muon and the others by
+    ``other``: checks its flag and, for Muon, each parameter's shape (``takes``, else ``rule`` says
+    why not); lists its params; returns the flag."""
+    use_muon, params = param_group.get("use_muon"), param_group["params"]
+    if not isinstance(use_muon, bool):
+        raise ValueError(f"param group {len(optimizer.param_groups)} of {type(optimizer).__name__} has use_muon="
+                         f"{use_muon!r}; give each group use_muon=True (Muon) or use_muon=False ({other}).")
+    param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+    refused = [shape_of(p) for p in param_group["params"] if use_muon and not takes(shape_of(p))]
+    if refused:
+        raise ValueError(f"{rule}; a use_muon=True group holds a parameter of shape {refused[0]}: put it in a "
+                         f"use_muon=False group ({other}).")
+    return use_muon
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon on the param groups with ``use_muon=True`` (2-D parameters), AdamW on the others.
 
@@ -56,15 +73,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._muon, self._adamw = torch.optim.Muon([{"params": []}]), torch.optim.AdamW([{"params": []}])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        use_muon, params = param_group.get("use_muon"), param_group["params"]
-        if not isinstance(use_muon, bool):
-            raise ValueError(f"param group {len(self.param_groups)} of MuonWithAdamW has use_muon={use_muon!r}; give "
-                             "each group use_muon=True (stepped by Muon) or use_muon=False (stepped by AdamW).")
-        param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
-        flat = [p for p in param_group["params"] if use_muon and p.dim() != 2]
-        if flat:
-            raise ValueError(f"Muon takes 2-D parameters only; a use_muon=True group holds one of shape "
-                             f"{tuple(flat[0].shape)}: put it in a use_muon=False group (AdamW).")
+        use_muon = _tagged_group(self, param_group, "AdamW", "Muon takes 2-D parameters only",
+                                 lambda p: tuple(p.shape), lambda shape: len(shape) == 2)
         for key, value in (self._muon_defaults if use_muon else self._adamw_defaults).items():
             param_group.setdefault(key, value)
         super().add_param_group(param_group)
@@ -250,15 +260,8 @@ class DeepSpeedMuon(torch.optim.Optimizer):
                                   "gradient_clipping": self.gradient_clipping})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        use_muon, params = param_group.get("use_muon"), param_group["params"]
-        if not isinstance(use_muon, bool):
-            raise ValueError(f"param group {len(self.param_groups)} of DeepSpeedMuon has use_muon={use_muon!r}; give "
-                             "each group use_muon=True (Muon) or use_muon=False (Adam).")
-        param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
-        flat = [p for p in param_group["params"] if use_muon and len(layer_shape(p)) < 2]
-        if flat:
-            raise ValueError(f"Muon orthogonalises matrices; a use_muon=True group holds a parameter of shape "
-                             f"{layer_shape(flat[0])}: put it in a use_muon=False group (Adam).")
+        use_muon = _tagged_group(self, param_group, "Adam", "Muon orthogonalises matrices", layer_shape,
+                                 lambda shape: len(shape) >= 2)
         for key, value in self._kinds[use_muon].items():
             param_group.setdefault(key, value)
         if use_muon and param_group["ns_method"] not in NS_METHODS:
