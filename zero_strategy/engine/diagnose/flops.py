@@ -108,10 +108,6 @@ class FlopCount:
         self._mode = None  # the counter, entered during a forward only
         self._forward = 0
 
-    @property
-    def counting(self) -> bool:
-        return self._mode is not None
-
     def forward_began(self, module: Optional[nn.Module]) -> None:
         if self.per_step is not None or self.skipped is not None or self._mode is not None:
             return
