@@ -4,11 +4,16 @@ rank and the step's bytes sent, the three variants taking turns step by step in 
 
     python benchmarks/bench_whole_step.py                       # GPT-2 small's shape, 124M parameters
     python benchmarks/bench_whole_step.py --layers 2 --width 256 --steps 3
+    python benchmarks/bench_whole_step.py --muon deepspeed      # DeepSpeed's Muon (fp32 iterations on a CPU)
 
 The model is zero_strategy.models.GPT (``--layers`` blocks of ``--width``, GPT-2's 50257-token
 vocabulary, tied embeddings). Muon takes the blocks' matrices, AdamW the rest (embeddings, norms,
-biases), as Muon's users split them; "AdamW" steps every parameter with AdamW. Stage 3 runs with its
-defaults. The time is the median over ``--steps`` steps after one warm-up step, barrier to barrier.
+biases), as Muon's users split them; "AdamW" steps every parameter with AdamW. ``--muon torch`` (the
+default) is torch's Muon beside torch's AdamW, whose Newton-Schulz iterations run in bf16;
+``--muon deepspeed`` is zero_strategy.DeepSpeedMuon's Muon (DeepSpeed 0.19's update) on the same
+matrices beside torch's AdamW, whose default "gram" iterations run in fp16 where the device computes
+fp16 and in fp32 elsewhere (this benchmark's CPU, with AVX2 only, multiplies bf16 about 9x slower than
+fp32). Stage 3 runs with its defaults. The time is the median over ``--steps`` steps after one warm-up step, barrier to barrier.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import socket
 import statistics
 import tempfile
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,11 +37,16 @@ WORLD = 2
 VARIANTS = ("zero3 + AdamW", "zero3 + Muon", "DDP + Muon")
 
 
-def _optimizers(model: torch.nn.Module, muon: bool) -> list[torch.optim.Optimizer]:
-    if not muon:
+def _optimizers(model: torch.nn.Module, muon: Optional[str]) -> list[torch.optim.Optimizer]:
+    if muon is None:
         return [torch.optim.AdamW(model.parameters(), lr=1e-4)]
     matrices = [p for name, p in model.named_parameters() if p.dim() == 2 and ".blocks." in f".{name}"]
     rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    if muon == "deepspeed":  # its Muon half alone: the rest under AdamW, sharded elementwise as with torch's Muon
+        from zero_strategy import DeepSpeedMuon
+
+        return [DeepSpeedMuon([{"params": matrices, "use_muon": True}], muon={"lr": 0.02}),
+                torch.optim.AdamW(rest, lr=1e-4)]
     return [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-4)]
 
 
@@ -52,7 +63,7 @@ def _build(variant: str, args: argparse.Namespace):
     torch.manual_seed(0)
     model = GPT(vocab_size=50257, n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64),
                 block_size=args.seq)
-    optimizers = _optimizers(model, muon="Muon" in variant)
+    optimizers = _optimizers(model, args.muon if "Muon" in variant else None)
     if variant.startswith("DDP"):
         return DistributedDataParallel(model), optimizers
     config = ZeroConfig(stage=3)
@@ -109,6 +120,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--muon", choices=("torch", "deepspeed"), default="torch",
+                        help="torch's Muon beside AdamW, or DeepSpeed's Muon (zero_strategy.DeepSpeedMuon)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,7 +136,7 @@ def main() -> None:
     n = sum(p.numel() for p in GPT(vocab_size=50257, n_layer=args.layers, n_embd=args.width,
                                    n_head=max(1, args.width // 64), block_size=args.seq).parameters())
     print(f"GPT, {args.layers} layers of {args.width}: {n / 1e6:.1f}M parameters; 2 ranks; batch {args.batch} x "
-          f"{args.seq} tokens per rank; median of {args.steps} steps")
+          f"{args.seq} tokens per rank; median of {args.steps} steps; Muon: {args.muon}'s")
     print("| variant | step (s) [min, max] | optimizer state per rank (MiB) rank 0 / rank 1 | all-to-all sent (MiB) |")
     print("|---|---|---|---|")
     for variant in VARIANTS:

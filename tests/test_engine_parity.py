@@ -99,6 +99,29 @@ class SharedInsideCheckpoint(torch.nn.Module):
 REENTRANT_BUCKET_MB = 40 * 4 / 2**20  # each weight in a segment of its own
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_fp64_model_is_stepped_in_fp64(stage):
+    """fp64 weights are their own master copy, as fp32 weights are: an fp32 copy (the bf16/fp16 one)
+    would round every step to fp32's 1e-8 and drift from plain training."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = OddMLP()
+        reference = copy.deepcopy(model)
+        ref_opt = make_optimizer("adamw", param_groups(reference))
+        ref_losses = _train(reference, ref_opt, _schedule(ref_opt), 0, 0)
+        opt = ZeroOptimizer(make_optimizer("adamw", param_groups(model)), ZeroConfig(stage=stage))
+        zero_losses = _train(model, opt, _schedule(opt.optim), 0, 0)
+    finally:
+        torch.set_default_dtype(default)
+    assert all(g.master_shard is None for g in opt.groups)
+    torch.testing.assert_close(torch.tensor(zero_losses), torch.tensor(ref_losses), rtol=1e-13, atol=1e-13)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.dtype == torch.float64
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-13, atol=1e-13, msg=lambda m: f"{name}: {m}")
+
+
 def _reentrant(rank, world_size, stage):
     import torch.distributed as dist
 

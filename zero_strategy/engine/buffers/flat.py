@@ -107,6 +107,8 @@ class FlatGroup:
         self.reduce_quantization: Optional[QuantSpec] = None  # how its gradients travel (quantized_gradients)
         self.reduce_dtype: Optional[torch.dtype] = None  # or in this dtype (low_precision_reduce_modules)
         self.before_master_write: Optional[Callable[[], None]] = None  # see prepare_master_write
+        if master_dtype is not None and master_dtype.itemsize <= self.dtype.itemsize:
+            master_dtype = None  # a master copy is wider than its weights: fp32 and fp64 weights are their own
         self._master_dtype = (master_dtype or self.dtype) if offload_master else master_dtype
 
     def _make_master(self, own: torch.Tensor, shard: Optional[torch.Tensor]) -> None:
