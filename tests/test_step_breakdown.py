@@ -297,6 +297,35 @@ def test_the_flops_of_a_small_transformer_are_the_hand_count(runs):
         assert (flops["samples"], flops["tokens"]) == (2 * B, 2 * B * T)
 
 
+def test_a_backward_inside_the_open_forward_phase_leaves_no_counter_on():
+    """Manual optimization's shape: the front end's forward phase opens around training_step, which
+    calls the model and then backward itself. The autograd engine puts back, after a backward, the
+    dispatch modes the thread had when it began, so the FLOP counter, still on then, must be left
+    outside it (it was left inside, came back, and slowed every later operation of the run)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zero_strategy.engine.diagnose.breakdown import BACKWARD, StepBreakdown
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    with FlopCounterMode(display=False) as reference:
+        model(x)
+    breakdown = StepBreakdown()
+    breakdown.enable(True, torch.device("cpu"))
+    breakdown.watch(model)
+    for p in model.parameters():  # as the engine's gradient hooks do (engine/grads/reducer.py)
+        p.register_hook(lambda grad: breakdown.enter(BACKWARD))
+    for _ in range(2):
+        breakdown.forward_began((x,))  # the front end's step, around the model's own forward
+        model(x).square().sum().backward()  # backward reached while the phase is open: counting stops there
+        breakdown.forward_ended(None)
+        breakdown.end_step()
+        assert _get_current_dispatch_mode_stack() == []
+    assert breakdown.flops.forward_per_step == reference.get_total_flops()  # backward's products not counted
+
+
 @pytest.mark.timeout(240)
 def test_initialize_prints_deepspeeds_reports(runs):
     (results, out_file) = runs

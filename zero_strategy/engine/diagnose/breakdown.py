@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .flops import FlopCount
+from .flops import FlopCount, in_backward
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
@@ -137,10 +137,6 @@ class _Window:
     waits: list[tuple[str, str, Optional[str], Any, Any]] = field(default_factory=list)  # (part, kind, phase, a, b)
     samples: int = 0
     tokens: Optional[int] = 0
-
-
-def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 _current: list[Optional["StepBreakdown"]] = [None]  # the breakdown whose phase was entered last (see active())
@@ -264,21 +260,23 @@ class StepBreakdown:
 
     def forward_began(self, inputs: Any, module: Optional[nn.Module] = None) -> None:
         """A forward of the training step begins (the module's, or the front end's step around it):
-        the forward phase, and, for the outermost with grad enabled, its batch counted and the FLOPs
-        counter started (``module``: what it runs, to check that it is not compiled)."""
+        the forward phase; with grad enabled, the FLOPs counter started (``module``: what it runs, to
+        check that it is not compiled) and, for the outermost, its batch counted."""
         if not self.enabled or in_backward():
             return
         outermost = self._phase != FORWARD
         self.enter(FORWARD)
-        if outermost and torch.is_grad_enabled():
-            self._count_batch(inputs)
-            self.flops.forward_began(module)
+        if torch.is_grad_enabled():
+            if outermost:
+                self._count_batch(inputs)
+            self.flops.forward_began(module)  # (unless it counts already)
 
     def forward_ended(self, output: Any) -> None:
-        """The forward that ``forward_began`` opened returned ``output``: the phase ends, and the
-        backward phase begins when a gradient reaches any of its tensors."""
+        """The forward that ``forward_began`` opened returned ``output``: the FLOP count stops, the phase
+        ends (the outermost), and the backward phase begins when a gradient reaches any of its tensors."""
         if not self.enabled or in_backward():
             return
+        self.flops.forward_ended()  # each forward's end, before any backward (see [Note: counting FLOPs])
         self.leave(FORWARD)
         if self._phase is None and torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -9,6 +9,14 @@ The counter is a dispatch mode, entered when a forward begins and left when it r
 thread that runs it: one kept on from the forward through backward to the optimizer step would stay
 on for good, slowing every operation and keeping tensors alive, wherever a forward is not followed
 by a step (a forward to inspect a loss, a dropped engine), and backward may run on other threads.
+Nor is it left inside a backward: the autograd engine saves the thread's dispatch modes when a
+backward begins and puts them back when it ends, so a mode left there comes back on for good (as it
+did under manual optimization, where the front end's forward phase, open around ``training_step``,
+ended when ``manual_backward`` reached the graph: every later operation of the run went through the
+counter; the suite's 43 Trainer cases in one launch took 142 s, 36 s without). So each forward's own
+end stops the count and leaves the mode (the front end's step around it may still be open); where
+a backward begins before that (a step that never calls the watched module's forward), counting
+stops at its first gradient and the mode is left at the next call outside a backward.
 The rule overcounts by the input gradient of a layer whose input needs none (the first layer after
 the data, when its input is not an embedding's output). It counts what runs (matrix products,
 convolutions, attention) from the shapes, for any model, where the rule of 6 x parameters x tokens
@@ -97,6 +105,11 @@ def is_compiled(module: Optional[nn.Module]) -> bool:
     return False
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (recomputation runs forwards there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class FlopCount:
     """The FLOPs of one training step (see [Note: counting FLOPs]): its forwards counted, from the first
     training forward to the end of that step; ``per_step`` and ``forward_per_step`` once done."""
@@ -106,9 +119,11 @@ class FlopCount:
         self.forward_per_step: Optional[int] = None
         self.skipped: Optional[str] = None  # why nothing was counted
         self._mode = None  # the counter, entered during a forward only
+        self._stopped = False  # the mode counts no more: it is left at the next call outside a backward
         self._forward = 0
 
     def forward_began(self, module: Optional[nn.Module]) -> None:
+        self._leave()
         if self.per_step is not None or self.skipped is not None or self._mode is not None:
             return
         if is_compiled(module):
@@ -120,11 +135,17 @@ class FlopCount:
         self._mode.__enter__()
 
     def forward_ended(self) -> None:
-        """The forward ends, and its counter with it (in the thread that entered it, as a dispatch mode needs)."""
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
+        """The forward ends, and its count: the counter is left now (in the thread that entered it, as a
+        dispatch mode needs), or, inside a backward, at the next call outside one (see the Note)."""
+        if self._mode is not None and not self._stopped:
+            self._forward += int(self._mode.get_total_flops())
+            self._stopped = True
+        self._leave()
+
+    def _leave(self) -> None:
+        if self._stopped and not in_backward():
+            mode, self._mode, self._stopped = self._mode, None, False
             mode.__exit__(None, None, None)
-            self._forward += int(mode.get_total_flops())
 
     def step_ended(self) -> None:
         self.forward_ended()

@@ -33,14 +33,9 @@ from ..buffers.flat import FlatGroup, ShardedGroup
 from ..comm.collectives import Collectives, Pending, wait_all
 from ..comm.order_guard import BACKWARD, RECOMPUTE
 from ..comm.quantize import QuantSpec
-from ..diagnose.breakdown import GATHER
+from ..diagnose.breakdown import GATHER, in_backward
 from ..diagnose.header import Header
 from ..diagnose.ranges import span
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (recomputation runs forwards there)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class UnitState(enum.Enum):
