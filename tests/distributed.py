@@ -458,17 +458,19 @@ def _call_deadline(timeout_s: Optional[float]) -> float:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, fresh: bool = False,
-                    timeout_s: Optional[float] = None) -> list:
+                    alone: bool = False, timeout_s: Optional[float] = None) -> list:
     """``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns the results by rank.
 
     ``fn`` must be a module-level function and its result something ``torch.save`` writes and
     ``torch.load(weights_only=True)`` reads. If any rank raises (or dies, or hangs), a RuntimeError
     carries every failing rank's traceback (a hung rank's stack). Calls run on a pool of long-lived
-    workers (see [Note: the worker pool]); ``fresh=True`` runs this call on new processes instead,
+    workers (see [Note: the worker pool]); ``fresh=True`` runs this call on new interpreters instead,
     ended after it: use it when the call depends on state fixed at process start (variables such as
-    ``MALLOC_*``, the peak resident set), changes process-wide state the reset does not cover
-    (patched module attributes, signal handlers, threads left running), or makes ranks diverge on
-    purpose (the pool would spend ``GRACE_S`` finding its group unusable). ``timeout_s`` bounds the
+    ``MALLOC_*``, the peak resident set). ``alone=True`` runs it on workers of its own, forked as the
+    pool's are (imports done), ended after it: use it when the call changes process-wide state the
+    reset does not cover (patched module attributes, signal handlers, threads left running), or makes
+    ranks diverge on purpose or die (the pool would spend ``GRACE_S`` finding its group unusable), and
+    for calls run at the same time from threads (each on its own workers). ``timeout_s`` bounds the
     call (else $ZERO_TEST_CALL_TIMEOUT, else the running test's pytest timeout less a margin, else
     100 s); past it the call fails with the stacks of the ranks that had not answered.
     """
@@ -476,8 +478,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, fre
         raise ValueError(f"world_size={world_size!r}: run_distributed needs a positive int number of ranks "
                          f"(the function to run comes first: run_distributed(fn, 2, *args)).")
     deadline = _call_deadline(timeout_s)
-    if fresh:
-        pool = _Pool(world_size, fresh=True)
+    if fresh or alone:
+        pool = _Pool(world_size, fresh=fresh)
         try:  # the results are in once run returns: the processes are ended, not asked to leave the group
             return pool.run(fn, args, deadline, check_group=False)  # (whose teardown waits 10 s per rank
         finally:                                                    # after a call that diverged on purpose)

@@ -139,7 +139,7 @@ def _killed_during_write(rank: int, world_size: int, folder: str) -> None:
 @pytest.mark.timeout(120)
 def test_a_rank_killed_during_a_background_write_leaves_the_previous_checkpoint_loadable(tmp_path):
     with pytest.raises(RuntimeError, match=r"rank 1.*died \(signal SIGKILL\)|died \(signal SIGKILL\)"):
-        run_distributed(_killed_during_write, 2, str(tmp_path), fresh=True)
+        run_distributed(_killed_during_write, 2, str(tmp_path), alone=True)
     told = (tmp_path / "rank0_error.txt").read_text()  # rank 0 was told, not left waiting
     assert "could not agree that every file was written" in told and "Nothing was written over" in told
     path = tmp_path / "ckpt"

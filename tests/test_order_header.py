@@ -139,15 +139,14 @@ def _state(sharder, opt) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def diverged():
     """world size -> each rank's (unit cases, step cases): both tests' cases (``CASES`` and
-    ``STEP_CASES``), each case on a group of its own, in fresh processes, three sets at once: at 2
+    ``STEP_CASES``), each case on a group of its own, on workers of their own, three sets at once: at 2
     ranks the unit cases and the step cases, at 4 ranks both (most of a case is the 1 s a rank
-    waits for the other's order report, or starting processes: 37 s as four sets one after
-    another)."""
-    # fresh processes: the diverged groups keep unmatched collectives, which stall a pool's closing
+    waits for the other's order report)."""
+    # workers of their own, ended after: the diverged groups keep unmatched collectives, which stall a pool's closing
     sets = {(2, "unit"): ([*TWO_RANKS], []), (2, "step"): ([], STEP_CASES[2]),
             (4, "both"): ([*FOUR_RANKS], STEP_CASES[4])}
     with ThreadPoolExecutor(len(sets)) as pool:
-        calls = {key: pool.submit(run_distributed, _all_runs, key[0], *cases, fresh=True, timeout_s=150)
+        calls = {key: pool.submit(run_distributed, _all_runs, key[0], *cases, alone=True, timeout_s=150)
                  for key, cases in sets.items()}
         ranks = {key: call.result() for key, call in calls.items()}
     return {2: [(unit, step) for (unit, _), (_, step) in zip(ranks[2, "unit"], ranks[2, "step"])], 4: ranks[4, "both"]}
