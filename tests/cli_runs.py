@@ -234,13 +234,9 @@ def metric_rows(run_dir: Path) -> list[dict[str, str]]:
 # module's fixture takes them over (``take``): back to normal priority, then waited for, from that
 # moment, with the timeout it always had. Not selected, nothing starts; where the OS refuses the
 # priority change, they run at normal priority. The command lines, environments and folders are
-# those the fixture built before; only the start moved. The tests that wait for them run after all
-# the others (conftest.py orders them last), so the launches have had the whole suite's idle cores.
-# Launches that a test times (test_failures.py, test_uneven.py), that share a port picked in advance
-# (test_multinode.py's two torchruns) or that depend on an earlier test's output are not started
-# early. Started early: test_main_job.py's, test_lightning.py's, test_fabric_launch.py's,
-# test_bench_harness.py's, test_packaging.py's import checks, and test_cli.py's three independent
-# launches (the presets' multirun, the quick command lines, the console script); test_cli.py's
+# those the fixture built before; only the start moved. Launches that a test times (test_failures.py)
+# or that depend on an earlier test's output are not started early. test_cli.py's three independent
+# launches (the presets' multirun, the quick command lines, the console script) start early too; its
 # resume reads the multirun's zero2 checkpoint, so its fixture starts it once that job has finished
 # (``adopt`` hands over the running processes for that; ``take`` waits for them all).
 

@@ -65,20 +65,6 @@ def tmp_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("lightning"))
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """The tests that wait for a launch started at collection run last, in their order (the modules
-    that register one, and the tests reading test_lightning.py's through ``tmp_root``): the launches
-    run at idle priority meanwhile, so the later they are waited for, the more of them ran on cores
-    the other tests left idle (see [Note: launches started early] in tests/cli_runs.py)."""
-    early = {module for module, _ in cli_runs.EARLY.values()}
-
-    def waits(item: pytest.Item) -> bool:
-        module = getattr(item, "module", None)
-        return (module is not None and module.__name__ in early) or "tmp_root" in getattr(item, "fixturenames", ())
-
-    items[:] = [item for item in items if not waits(item)] + [item for item in items if waits(item)]
-
-
 def pytest_collection_finish(session):
     """Start the launches of the selected modules that may start early ([Note: launches started early] in tests/cli_runs.py)."""
     if session.config.option.collectonly or not session.items:
