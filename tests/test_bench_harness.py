@@ -12,12 +12,11 @@ import copy
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from .cli_runs import EARLY, Commands, take
 
 pytest.importorskip("matplotlib")
 
@@ -32,25 +31,16 @@ TINY = ["--params-millions", "0.05", "--layers", "2", "--steps", "2", "--warmup"
         "--rss-malloc", "default", "--device", "cpu"]
 
 
-LAUNCH = "bench_harness"  # the early launch's name (see [Note: launches started early] in tests/cli_runs.py)
-
-
-def _commands(base: Path) -> Commands:
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "results"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {"tiny": ([sys.executable, str(HARNESS), *TINY, "--out", str(base / "results")], env, ROOT)}
-
-
-EARLY[LAUNCH] = (__name__, _commands)  # started at collection: see [Note: launches started early] in tests/cli_runs.py
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    done, base = take(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False), timeout=120)
-    proc = done["tiny"][0]
+    proc = subprocess.run([sys.executable, str(HARNESS), *TINY, "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"harness failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return base / "results"
+    return out
 
 
 @pytest.mark.timeout(150)
@@ -85,7 +75,7 @@ def test_markdown_has_a_row_per_variant_and_embeds_the_plot(tiny_run):
     result = json.loads((tiny_run / "results.json").read_text())
     assert "](results.png)" in text
     main_table = text.split("\n\n| variant |", 1)[1].split("\n\n", 1)[0]
-    rows = re.findall(r"^\| (\w+) \| [\d.]+ \| [\d.]+x \|", main_table, re.MULTILINE)
+    rows = re.findall(r"^\| (\w+) \| [\d.]+ \| [\d.]+x \|", main_table, re.M)
     assert rows == list(result["variants"])
 
 

@@ -5,47 +5,44 @@ same, and serve Fabric's collectives (tests/scripts/fabric_run.py)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from .cli_runs import EARLY, Commands, assert_succeeded, take
+from .distributed import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "fabric_run.py"
 LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                "MASTER_PORT")
-LAUNCH = "fabric_launches"  # the early launch's name (see [Note: launches started early] in tests/cli_runs.py)
 
 
-def _commands(base: Path) -> Commands:
-    """Both launches, each writing in ``base / how``, each finding a free port when it starts: Fabric's
-    launcher as Lightning does, torchrun with ``--standalone``."""
+def _launch(out: Path, torchrun: bool) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env["PYTHONWARNINGS"] = "ignore"
-    commands = {}
-    for how in ("launch", "torchrun"):
-        (base / how).mkdir()
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] \
-            if how == "torchrun" else [sys.executable]
-        commands[how] = ([*launcher, str(SCRIPT), "--out", str(base / how)], env, base)
-    return commands
+    env.update(PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
+    if torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-port", env.pop("MASTER_PORT"), str(SCRIPT), "--out", str(out)]
+    else:
+        command = [sys.executable, str(SCRIPT), "--out", str(out)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc  # type: ignore[return-value]
 
 
-EARLY[LAUNCH] = (__name__, _commands)  # started at collection: see [Note: launches started early] in tests/cli_runs.py
-
-
-def _results(done: dict, base: Path, how: str) -> list[dict]:
-    assert_succeeded(done[how][0])
-    return [torch.load(base / how / f"rank{r}.pt", weights_only=True) for r in range(2)]
+def _results(proc, out: Path) -> list[dict]:
+    stdout, stderr = proc.communicate(timeout=200)
+    assert proc.returncode == 0, f"{proc.args}:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 @pytest.mark.timeout(300)
-def test_fabric_launch_and_torchrun_run_the_same_loop(tmp_path_factory):
-    # both at once (much of a launch is importing Lightning on one core), started at collection
-    done, base = take(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False), timeout=200)
-    launched, torchrun = (_results(done, base, how) for how in ("launch", "torchrun"))
+def test_fabric_launch_and_torchrun_run_the_same_loop(tmp_path):
+    # both at once, each on a port of its own: much of a launch is importing Lightning on one core
+    runs = {how: _launch(tmp_path / how, torchrun=how == "torchrun") for how in ("launch", "torchrun")}
+    launched, torchrun = (_results(runs[how], tmp_path / how) for how in ("launch", "torchrun"))
     for ranks in (launched, torchrun):
         for r, result in enumerate(ranks):
             assert result["strategy"] == "ZeroFabricStrategy" and result["world_size"] == 2

@@ -14,13 +14,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
-import tomllib
-
-from .cli_runs import EARLY, Commands, take
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,33 +130,22 @@ def _site_packages_without(hidden: dict[str, str], folder: Path) -> Path:
     return folder
 
 
-LAUNCH = "packaging_imports"  # the early launch's name (see [Note: launches started early] in tests/cli_runs.py)
-
-
-def _commands(base: Path) -> Commands:
-    """Each of ``_SCRIPTS`` in a fresh interpreter, at once (each spends its time importing Lightning);
-    the one without the app's packages over a view of site-packages without them."""
-    without_app = _site_packages_without(APP_ONLY, base / "site")
+@pytest.mark.timeout(240)
+def test_the_package_imports_lightning_only_when_asked_and_registers_its_names_in_any_order(tmp_path):
+    without_app = _site_packages_without(APP_ONLY, tmp_path / "site")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    commands = {}
-    for what, code in _SCRIPTS.items():
+    procs = {}
+    for what, code in _SCRIPTS.items():  # concurrently: each spends its time importing Lightning
         command, run_env = [sys.executable, "-c", f"HEAVY = {HEAVY!r}\nAPP_ONLY = {list(APP_ONLY)!r}\n{code}"], env
         if "without the app" in what:
             command, run_env = [sys.executable, "-S", *command[1:]], {**env, "PYTHONPATH": f"{ROOT}:{without_app}"}
-        commands[what] = (command, run_env, ROOT)
-    return commands
-
-
-EARLY[LAUNCH] = (__name__, _commands)  # started at collection: see [Note: launches started early] in tests/cli_runs.py
-
-
-@pytest.mark.timeout(240)
-def test_the_package_imports_lightning_only_when_asked_and_registers_its_names_in_any_order(tmp_path_factory):
-    done, _ = take(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False), timeout=200)
+        procs[what] = subprocess.Popen(command, cwd=ROOT, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
     out = {}
-    for what, (proc, _) in done.items():
-        assert proc.returncode == 0, f"{what}:\n{proc.stderr[-4000:]}"
-        out[what] = json.loads(proc.stdout.strip().splitlines()[-1])
+    for what, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=200)
+        assert proc.returncode == 0, f"{what}:\n{stderr[-4000:]}"
+        out[what] = json.loads(stdout.strip().splitlines()[-1])
     bare = out["bare import, then a Trainer"]
     assert bare["loaded"] == []
     assert bare["made"] == {"zero_stage_3": ["ZeroStrategy", 3, False, False],
