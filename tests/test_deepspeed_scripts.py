@@ -163,23 +163,41 @@ def close(ours: dict, theirs: dict, what: str, atol: float = 1e-5, deepspeed: bo
             assert mine["steps"] == other["steps"], (what, key)
 
 
-def launch(folder: Path, arguments: list[str], blocked: bool) -> None:
-    """``zero-launch --num_gpus 2 ARGUMENTS`` (``python -m``: the console script may not be installed)."""
+def start_launch(folder: Path, arguments: list[str], blocked: bool) -> subprocess.Popen:
+    """``zero-launch --num_gpus 2 ARGUMENTS`` started (``python -m``: the console script may not be installed)."""
     path = [str(folder / "blocker")] if blocked else []
     kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # a deepspeed installed in a folder
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT), *kept]), "DS_ACCELERATOR": "cpu"}
     command = [sys.executable, "-m", "zero_strategy.deepspeed.launcher", "--num_gpus", "2", "--master_port",
                str(free_port()), *arguments]
-    done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return subprocess.Popen(command, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_launch(proc: subprocess.Popen) -> None:
+    """Wait for a ``start_launch``; it must succeed."""
+    try:
+        out, err = proc.communicate(timeout=200)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{out[-2000:]}\n{err[-4000:]}"
+
+
+def launch(folder: Path, arguments: list[str], blocked: bool) -> None:
+    finish_launch(start_launch(folder, arguments, blocked))
 
 
 @pytest.fixture(scope="module")
 def our_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepspeed_scripts")
     prepare(folder)
-    run_distributed(run_variant, 2, str(folder), "swapped")
-    launch(folder, [str(SCRIPTS / "run_variant.py"), str(folder), "renamed"], blocked=True)
+    # the launch first: its processes import while the pool's ranks wait on each other
+    launched = start_launch(folder, [str(SCRIPTS / "run_variant.py"), str(folder), "renamed"], blocked=True)
+    try:
+        run_distributed(run_variant, 2, str(folder), "swapped")
+    except BaseException:
+        launched.kill()
+        raise
+    finish_launch(launched)
     return folder, {variant: results(folder / variant) for variant in ("swapped", "renamed")}
 
 

@@ -1,6 +1,9 @@
 """Ranks that disagree end every process, quickly, with a message naming the cause (2 CPU processes).
 
-The cases run in tests/scripts/diverge_run.py, in real processes, since they end them.
+The cases run in tests/scripts/diverge_run.py, in processes of their own, since they end them: the
+Lightning cases' two ranks forked from the tests' fork server (the message is the subject, not the
+launch: see [Note: ranks forked from a loaded process] in tests/cli_runs.py), the engine cases'
+started by the test.
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ DIVERGING = {
 
 @pytest.fixture(scope="module")
 def diverged() -> dict[str, tuple[subprocess.CompletedProcess, float]]:
-    """Both cases at once (each a Lightning fit on 2 processes with a port of its own): case ->
-    (the finished process, seconds until it ended)."""
-    return run_at_once({case: ([sys.executable, str(SCRIPT), case], _env(), None) for case in DIVERGING}, timeout=100)
+    """Both cases at once (each a Lightning fit on 2 forked ranks with a port of its own): case ->
+    (the finished ranks, seconds until both ended)."""
+    return run_at_once({case: ([sys.executable, str(SCRIPT), case], _env(), None, 2) for case in DIVERGING},
+                       timeout=100)
 
 
 @pytest.mark.timeout(120)
