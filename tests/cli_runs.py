@@ -235,11 +235,10 @@ def metric_rows(run_dir: Path) -> list[dict[str, str]]:
 # moment, with the timeout it always had. Not selected, nothing starts; where the OS refuses the
 # priority change, they run at normal priority. The command lines, environments and folders are
 # those the fixture built before; only the start moved. Launches that a test times (test_failures.py)
-# or that depend on an earlier test's output are not started early. test_cli.py's launches start
-# early too: the presets' multirun, the quick command lines, the console script, and the resume from
-# the multirun's zero2 checkpoint, which waits (a few lines of Python, polling) until that job has
-# finished; conftest.py runs test_cli.py last, so that the multirun, five jobs one after another,
-# has the whole suite's idle cores.
+# or that depend on an earlier test's output are not started early. test_cli.py's three independent
+# launches (the presets' multirun, the quick command lines, the console script) start early too; its
+# resume reads the multirun's zero2 checkpoint, so its fixture starts it once that job has finished
+# (``adopt`` hands over the running processes for that; ``take`` waits for them all).
 
 EARLY: dict[str, tuple[str, Callable[[Path], Commands]]] = {}
 """name -> (the test module's name, a function of a fresh folder that gives the launch's commands)."""

@@ -65,23 +65,6 @@ def tmp_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("lightning"))
 
 
-LAST = ("tests.test_cli",)
-"""Modules run after all the others: test_cli.py waits for zero-train's presets multirun, five jobs
-one after another, each starting a second rank that imports Lightning (about 50 s on the critical
-path when waited for early); started at collection at idle priority, it runs meanwhile on the cores
-the other tests leave idle (see [Note: launches started early] in tests/cli_runs.py)."""
-
-
-def pytest_collection_modifyitems(session, config, items):
-    items[:] = [item for item in items if _module_name(item) not in LAST] + \
-        [item for item in items if _module_name(item) in LAST]
-
-
-def _module_name(item: pytest.Item) -> str:
-    module = getattr(item, "module", None)
-    return module.__name__ if module is not None else ""
-
-
 def pytest_collection_finish(session):
     """Start the launches of the selected modules that may start early ([Note: launches started early] in tests/cli_runs.py)."""
     if session.config.option.collectonly or not session.items:

@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,8 @@ from zero_strategy import estimate_memory
 from zero_strategy.checkpoint import is_sharded_checkpoint
 from zero_strategy.cli.report import format_bytes
 
-from .cli_runs import EARLY, Commands, assert_succeeded, clean_env, metric_rows, script, summaries, take
+from .cli_runs import (EARLY, Commands, adopt, assert_succeeded, clean_env, finish, kill, metric_rows,
+                       popen_logged, script, summaries)
 
 CLI_CASES = Path(__file__).parent / "scripts" / "cli_cases.py"
 SMOKE = ("experiment=smoke",)  # a 6-step one-layer GPT: every part of a run, in seconds
@@ -160,7 +162,6 @@ def _commands(base: Path) -> Commands:
     return {
         "sweep": ([script("zero-train"), "-m", *SMOKE, "strategy=" + ",".join(PRESETS),
                    f"hydra.sweep.dir={folders['sweep'] / 'sweep'}"], clean_env(), folders["sweep"]),
-        "resume": _resume(base),
         "quick": ([sys.executable, str(CLI_CASES), str(folders["quick"] / "results.json"), json.dumps(quick)],
                   clean_env(), folders["quick"]),
         "console": ([script("zero-train"), *BAD[CONSOLE_CASE][0], f"hydra.run.dir={folders['console'] / 'run'}"],
@@ -175,26 +176,12 @@ def _zero2(base: Path) -> Path:
     return job_dir(base / "sweep" / "sweep", "zero2")
 
 
-WAIT_THEN_RUN = """
-import os, sys, time
-marks, command = sys.argv[1:3], sys.argv[3:]
-end = time.monotonic() + 600  # then run it anyway: without the checkpoint, it fails saying so
-while not all(os.path.exists(mark) for mark in marks) and time.monotonic() < end:
-    time.sleep(0.5)
-os.execv(command[0], command)
-"""
-"""Runs its command once both marks exist (the resume, once the sweep's zero2 job has finished)."""
-
-
-def _resume(base: Path) -> tuple:
-    """The resume from the sweep's zero2 job's last checkpoint to step 9: it reads that job's output, so
-    it waits for both of the job's ranks to have written their summary (after fit, so after the
-    checkpoint; ``WAIT_THEN_RUN``), then runs, while the multirun's other jobs train."""
-    zero2 = _zero2(base)
-    command = [script("zero-train"), *SMOKE, f"ckpt_path={zero2 / 'checkpoints' / 'last.ckpt'}",
-               "trainer.max_steps=9", f"hydra.run.dir={base / 'resume' / 'r'}"]
-    marks = [str(zero2 / f"summary_rank{r}.json") for r in (0, 1)]
-    return [sys.executable, "-c", WAIT_THEN_RUN, *marks, *command], clean_env(), base / "resume"
+def _resume(base: Path) -> Commands:
+    """The resume from the sweep's zero2 job's last checkpoint to step 9: it reads that job's output,
+    so it starts only once the job has finished (``launches``), never at collection."""
+    return {"resume": ([script("zero-train"), *SMOKE, f"ckpt_path={_zero2(base) / 'checkpoints' / 'last.ckpt'}",
+                        "trainer.max_steps=9", f"hydra.run.dir={base / 'resume' / 'r'}"], clean_env(),
+                       base / "resume")}
 
 
 @pytest.fixture(scope="module")
@@ -202,10 +189,21 @@ def launches(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
     """This module's command lines, at once (see ``_commands``; started at collection, see [Note:
     launches started early] in cli_runs.py): the presets' multirun; every line of ``QUICK`` in one
     process (tests/scripts/cli_cases.py: each as its console script would run it, a bad override in a
-    folder of its own); ``CONSOLE_CASE`` through the real console script; and, once the multirun's
-    zero2 job has finished (its first), a resume from that job's last checkpoint to step 9, while the
-    multirun's other jobs train. name -> (the finished process, its folder)."""
-    done, base = take(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False), timeout=400)
+    folder of its own); ``CONSOLE_CASE`` through the real console script; and, started once the
+    multirun's zero2 job has finished (its first), a resume from that job's last checkpoint to step 9,
+    while the multirun's other jobs train. name -> (the finished process, its folder)."""
+    start = time.monotonic()
+    procs, logs, base = adopt(LAUNCH, lambda name: tmp_path_factory.mktemp(name, numbered=False))
+    try:
+        zero2 = _zero2(base)
+        # both ranks write their summary after fit, so after the checkpoint (a failed sweep: the
+        # resume fails too, and says why)
+        while procs["sweep"].poll() is None and not all((zero2 / f"summary_rank{r}.json").exists() for r in (0, 1)):
+            time.sleep(0.2)
+        procs.update(popen_logged(_resume(base), logs))
+        done = finish(procs, start, timeout=400)
+    finally:
+        kill(procs)
     return {name: (proc, base / name) for name, (proc, _) in done.items()}
 
 
