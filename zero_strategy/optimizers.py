@@ -81,16 +81,22 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for part, use_muon in ((self._muon, True), (self._adamw, False)):
             part.param_groups = [g for g in self.param_groups if g["use_muon"] is use_muon]
             part.state = self.state
             if part.param_groups:
                 part.step()
         return loss
+
+
+def _closure_loss(closure: Optional[Callable[[], Any]]) -> Any:
+    """What torch's optimizers do with a closure before their step: call it with grad enabled, its loss
+    returned (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _settings(cls: type, given: dict[str, Any], name: str) -> dict[str, Any]:
@@ -270,10 +276,7 @@ class DeepSpeedMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         self.finish_step(self.prepare_step())
         return loss
 
