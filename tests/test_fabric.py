@@ -472,13 +472,18 @@ def test_names_options_and_refusals_without_processes():
         assert isinstance(strategy, ZeroFabricStrategy)
         assert (strategy.config.stage, strategy.config.offload_optimizer, strategy.config.offload_params) == (
             stage, optimizer, params)
-    for precision in ("32-true", "bf16-mixed", "bf16-true", "16-true"):
+    for precision in ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true"):
         fabric = L.Fabric(strategy=ZeroFabricStrategy(), accelerator="cpu", devices=1, precision=precision)
         plugin = fabric.strategy.precision
         assert type(plugin).__name__ == "ZeroFabricPrecision" and plugin.precision == precision
         assert plugin.working.master_weights == precision.endswith("-mixed")
-    with pytest.raises(ValueError, match=r"precision='64-true' \(DoublePrecision\); supported: 32-true"):
-        L.Fabric(strategy=ZeroFabricStrategy(), accelerator="cpu", devices=1, precision="64-true")
+    from lightning.fabric.plugins.precision import Precision
+
+    class OwnPrecision(Precision):  # the user's own plugin, whose hooks ZeRO's would replace
+        precision = "32-true"
+
+    with pytest.raises(ValueError, match=r"precision='32-true' \(OwnPrecision\); supported: 32-true"):
+        L.Fabric(strategy=ZeroFabricStrategy(), accelerator="cpu", devices=1, plugins=[OwnPrecision()])
     with pytest.raises(ValueError, match="does not take a CheckpointIO plugin .*Drop the plugin"):
         L.Fabric(strategy=ZeroFabricStrategy(), accelerator="cpu", devices=1, plugins=[TorchCheckpointIO()])
     with pytest.raises(ValueError, match=r"stage=4 .*allowed stages are \(1, 2, 3\)"):

@@ -84,6 +84,7 @@ CASES: dict[str, tuple[str, ...]] = {
     "manual": ("--manual",),
     "bf16": ("--precision", "bf16-mixed", "--steps", "20"),
     "fp16": ("--precision", "16-mixed", "--steps", "20"),
+    "fp64": ("--precision", "64-true"),  # fp64 weights, their own master copy
     "meta": ("--configure-model",),
     # issue 50: a batch norm's buffers, and the network kept in the hyper-parameters saved by ModelCheckpoint
     "bn": ("--net-in-hparams", "--stop-at", "5"),
@@ -98,7 +99,7 @@ CASES: dict[str, tuple[str, ...]] = {
     "moe": ("--moe",),
 }
 DDP_CASES = {**{name: CASES[name] for name in ("plain", "clip", "clip_value", "accumulate", "resume", "bn",
-                                               "bn_nobroadcast", "muon", "muon_fp32", "muon_one")},
+                                               "bn_nobroadcast", "muon", "muon_fp32", "muon_one", "fp64")},
              "steps20": ("--steps", "20"),  # the fp32 reference of the mixed-precision runs
              "manual": ("--manual", "--strategy", "ddp_find_unused_parameters_true"),
              "moe": ("--moe", "--strategy", "ddp_find_unused_parameters_true")}
@@ -107,7 +108,7 @@ ZERO_CASES = {  # what each strategy's tests read
     "zero_stage_2": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "bn",
                      "bn_nobroadcast", "muon"),
     "zero3-linear": ("plain", "clip", "clip_value", "accumulate", "resume", "manual", "bf16", "fp16", "meta", "bn"),
-    "zero_stage_3": ("manual", "muon", "muon_bf16", "muon_one", "moe"),
+    "zero_stage_3": ("manual", "muon", "muon_bf16", "muon_one", "moe", "fp64"),
     "zero_stage_3_offload": ("plain",),  # test_offload.py's
     "zero2-offload-overlap": ("plain", "clip", "accumulate", "resume"),  # test_offload_overlap.py's
     "zero2-local": ("accumulate",),  # local_accumulation
@@ -360,6 +361,17 @@ def test_mixed_precision_follows_fp32_ddp(tmp_root, strategy, precision):
         assert z["params"]["head.weight"].dtype == want_dtype
     if precision == "16-mixed":  # the loss scale and the skipped steps are logged
         assert zero[0]["metrics"]["loss_scale"] == 256.0 and zero[0]["metrics"]["skipped_steps"] == 0.0
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_double_precision_at_stage_3_defaults_is_ddps_run(tmp_root):
+    # precision="64-true": fp64 weights are their own master (an fp32 copy would round each step to 1e-8)
+    zero, ddp = zero_runs(tmp_root, "zero_stage_3")["fp64"], ddp_run(tmp_root, *CASES["fp64"])
+    assert_same_run(zero, ddp)
+    for z, d in zip(zero, ddp):
+        assert z["params"]["head.weight"].dtype == torch.float64
+        for name, value in d["params"].items():
+            torch.testing.assert_close(z["params"][name], value, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT)

@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 
 import zero_strategy
@@ -45,12 +46,18 @@ def test_bad_arguments(kwargs, match):
         ZeroStrategy(**kwargs)
 
 
+class OwnPrecision(Precision):
+    """A precision plugin of the user's own, whose hooks ZeRO's plugin would replace."""
+
+    precision = "32-true"
+
+
 def test_unsupported_precision_is_named():
-    with pytest.raises(ValueError, match=r"precision='64-true' \(DoublePrecision\); supported: 32-true, bf16-mixed"):
-        _trainer(strategy=ZeroStrategy(), precision="64-true")
+    with pytest.raises(ValueError, match=r"precision='32-true' \(OwnPrecision\); supported: 32-true, bf16-mixed"):
+        _trainer(strategy=ZeroStrategy(), plugins=[OwnPrecision()])
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-true", "64-true"])
 def test_supported_precision_gets_zero_precision(precision):
     plugin = _trainer(strategy=ZeroStrategy(), precision=precision).strategy.precision_plugin
     assert type(plugin).__name__ == "ZeroPrecision" and plugin.precision == precision

@@ -32,16 +32,17 @@ LOCATIONS = ("device", "host", "disk")
 # [Note: precision names]
 # The one table of the precisions this package trains in, named as Lightning's Trainer(precision=...)
 # names them: the dtype of the working weights and gradients. "-mixed" adds an fp32 master copy of
-# each rank's shard (see [Note: precision] in frontend/precision.py), "-true" keeps none; fp32 weights are
-# their own master. ZeroPrecision (precision.py) and the memory formula below both read it.
+# each rank's shard (see [Note: precision] in frontend/precision.py), "-true" keeps none; fp32 and fp64
+# weights are their own master. ZeroPrecision (precision.py) and the memory formula below both read it.
 PRECISION_DTYPES: dict[str, torch.dtype] = {
     "32-true": torch.float32,
     "bf16-mixed": torch.bfloat16,
     "16-mixed": torch.float16,
     "bf16-true": torch.bfloat16,
     "16-true": torch.float16,
+    "64-true": torch.float64,
 }
-PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "half": "16-true"}
+PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "half": "16-true", "64": "64-true"}
 """What Lightning also accepts for the same settings."""
 
 

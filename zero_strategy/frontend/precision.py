@@ -147,10 +147,11 @@ class WorkingPrecisionPlugin:
 
 def generic_precision_name(plugin: Any, strategy: str, how: str) -> str:
     """The precision of the generic plugin Lightning picks for ``precision=...`` (``Precision``,
-    ``MixedPrecision``, ``HalfPrecision``), which a front end replaces by its own ZeRO plugin; an error
+    ``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision``), which a front end replaces by its own ZeRO plugin; an error
     naming the plugin, ``strategy`` and what is supported (``how`` to ask for one) for anything else."""
     name = str(getattr(plugin, "precision", type(plugin).__name__))
-    if type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision") and name in PRECISION_DTYPES:
+    if type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision") \
+            and name in PRECISION_DTYPES:
         return name
     raise ValueError(f"{strategy} does not support precision={name!r} ({type(plugin).__name__}); supported: "
                      f"{', '.join(SUPPORTED_PRECISION)}. {how}")
