@@ -128,12 +128,17 @@ class SlowGathers(Collectives):
         return super().all_gather(output, input, what, header)
 
 
+def _stage3(model: nn.Module, unit: str = "Block"):
+    """``model`` at stage 3, each ``unit`` a unit, with AdamW: (sharder, optimizer)."""
+    config = ZeroConfig(stage=3, shard_modules=(unit,), param_persistence_threshold=0)
+    sharder = shard_module(model, config)
+    return sharder, ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), config, sharder=sharder)
+
+
 def _adds_up(rank: int) -> dict:
     torch.manual_seed(0)
     model = Sleepy()
-    config = ZeroConfig(stage=3, shard_modules=("Block",), param_persistence_threshold=0)
-    sharder = shard_module(model, config)
-    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), config, sharder=sharder)
+    sharder, opt = _stage3(model)
     ends = []
     for step in range(11):
         time.sleep(REST_S)  # the loop's own time, outside the engine's phases
@@ -172,9 +177,7 @@ def _delayed(rank: int) -> dict:
 def _traced(rank: int) -> list[str]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), *[Block() for _ in range(3)])
-    config = ZeroConfig(stage=3, shard_modules=("Block",), param_persistence_threshold=0)
-    sharder = shard_module(model, config)
-    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), config, sharder=sharder)
+    sharder, opt = _stage3(model)
     model(torch.randn(4, WIDTH)).sum().backward()  # a step outside the trace: the next is a steady one
     opt.step()
     opt.zero_grad()
@@ -190,9 +193,7 @@ def _traced(rank: int) -> list[str]:
 def _flops(rank: int) -> dict:
     torch.manual_seed(0)
     model = TinyGPT()
-    config = ZeroConfig(stage=3, shard_modules=("TransformerBlock",), param_persistence_threshold=0)
-    sharder = shard_module(model, config)
-    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), config, sharder=sharder)
+    sharder, opt = _stage3(model, "TransformerBlock")
     for step in range(2):
         for micro in range(2):  # two micro-batches per optimizer step
             idx = torch.randint(0, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(step + micro + rank))
